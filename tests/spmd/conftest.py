@@ -1,0 +1,62 @@
+"""Runs each SPMD test file in a process of its own.
+
+In the main pytest process, every ``test_*.py`` here is collected as one item that
+re-runs pytest on that file in a subprocess with ``XPIPE_SPMD_WORKER=1``; in that
+worker, SPMD mode is switched on before any XLA tensor exists and the tests are
+collected normally. A failing worker fails the item and shows the worker's output.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+WORKER = os.environ.get("XPIPE_SPMD_WORKER") == "1"
+
+if WORKER:
+    import torch_xla.runtime as xr
+
+    xr.use_spmd()
+
+
+class SpmdFile(pytest.File):
+    """A test file run whole in an SPMD subprocess."""
+
+    def collect(self):
+        yield SpmdRun.from_parent(self, name="spmd-subprocess")
+
+
+class SpmdRun(pytest.Item):
+    """Runs one SPMD test file in a fresh process and fails if any of its tests fails."""
+
+    def runtest(self) -> None:
+        environment = dict(os.environ, XPIPE_SPMD_WORKER="1")
+        command = [sys.executable, "-m", "pytest", str(self.path), "-q", "-p", "no:cacheprovider",
+                   "--rootdir", str(self.config.rootpath)]
+        result = subprocess.run(command, env=environment, capture_output=True, text=True)
+        self.worker_output = result.stdout + result.stderr
+        if result.returncode != 0:
+            raise SpmdFailure(self.worker_output)
+        print(self.worker_output.strip().splitlines()[-1])
+
+    def repr_failure(self, excinfo):  # type: ignore[override]
+        if isinstance(excinfo.value, SpmdFailure):
+            return f"SPMD worker for {self.path.name} failed:\n{excinfo.value}"
+        return super().repr_failure(excinfo)
+
+    def reportinfo(self):
+        return self.path, None, f"{self.path.name} (SPMD subprocess)"
+
+
+class SpmdFailure(Exception):
+    """Carries a failed SPMD worker's output."""
+
+
+def pytest_pycollect_makemodule(module_path: Path, parent):
+    if not WORKER:
+        return SpmdFile.from_parent(parent, path=module_path)
+    return None

@@ -1,0 +1,125 @@
+"""The partitioner on real models: balance, crossings, repeated blocks, bad input."""
+
+import pytest
+import torch
+from torch import nn
+
+import xpipe
+from xpipe.models import MLPBlock, mlp_stack, transformer_lm
+from xpipe.partition import RepeatedBlocks
+
+TOKENS = torch.zeros(2, 16, dtype=torch.long)
+
+
+class SkipNet(nn.Module):
+    """``a``'s output skips ``b`` and is added after ``c``: it crosses two cuts on 4 stages."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c, self.d = (nn.Linear(8, 8) for _ in range(4))
+
+    def forward(self, x):
+        skip = self.a(x)
+        return self.d(self.c(self.b(skip)) + skip)
+
+
+def test_transformer_blocks_are_found_and_balanced():
+    plan = xpipe.partition(transformer_lm(blocks=8), 4, sample_input=TOKENS, cost="flops")
+    assert plan.repeated == RepeatedBlocks(start=1, period=1, count=8, per_stage=(2, 2, 2, 2))
+    assert sum(plan.balance) == 11 and len(plan.stages) == 4
+    assert plan.stages[0][0] == "embed" and plan.stages[-1][-1] == "head"
+    assert plan.imbalance < 1.25
+
+
+def test_mlp_stack_blocks_are_found():
+    plan = xpipe.partition(mlp_stack(blocks=8), 4)
+    assert (plan.repeated.start, plan.repeated.period, plan.repeated.count) == (1, 1, 8)
+
+
+def test_flat_sequential_repeats_with_a_period_of_two_layers():
+    model = nn.Sequential(nn.Linear(4, 8), *[m for _ in range(5) for m in (nn.Linear(8, 8), nn.ReLU())], nn.Linear(8, 2))
+    plan = xpipe.partition(model, 2)
+    assert (plan.repeated.start, plan.repeated.period, plan.repeated.count) == (1, 2, 5)
+
+
+def test_seven_blocks_on_four_stages_are_recorded_unevenly():
+    plan = xpipe.partition(nn.Sequential(*(MLPBlock(16) for _ in range(7))), 4)
+    assert sorted(plan.balance) == [1, 2, 2, 2]
+    assert plan.repeated.count == 7 and plan.repeated.per_stage == plan.balance
+
+
+def test_params_costs_add_up_to_the_model():
+    model = mlp_stack(blocks=6)
+    plan = xpipe.partition(model, 3)
+    assert sum(plan.costs) == sum(p.numel() for p in model.parameters())
+    assert max(plan.costs) == pytest.approx(plan.imbalance * sum(plan.costs) / 3)
+
+
+def test_skip_connection_is_reported_on_every_cut_it_crosses():
+    plan = xpipe.partition(SkipNet(), 4, sample_input=torch.zeros(5, 8))
+    assert plan.balance == (1, 1, 1, 1)
+    skips = [[c for c in cut if c.producer == "a"] for cut in plan.boundaries]
+    assert [len(s) for s in skips] == [1, 1, 0]
+    crossing = skips[1][0]
+    assert (crossing.source_stage, crossing.last_stage) == (0, 2)
+    assert (crossing.shape, crossing.dtype, crossing.bytes) == ((5, 8), "float32", 160)
+    assert "cut 1->2: a (a) [5, 8] float32" in str(plan)
+
+
+def test_memory_cost_includes_what_crosses_into_the_stage():
+    plan = xpipe.partition(SkipNet(), balance=[1, 1, 1, 1], sample_input=torch.zeros(5, 8), cost="memory")
+    node = plan.graph.nodes["c"]
+    received = 160 + 160  # b's output and the skip from a
+    assert plan.costs[2] == 2 * node["param_bytes"] + node["activation_bytes"] + received
+
+
+def test_given_balance_is_used_as_is():
+    plan = xpipe.partition(mlp_stack(blocks=6), balance=[1, 3, 2, 2])
+    assert plan.balance == (1, 3, 2, 2)
+    assert plan.stages[0] == ("0",) and plan.stages[1] == ("1", "2", "3")
+    assert plan.stage_of("3") == 1
+
+
+def test_json_round_trip_keeps_everything():
+    plan = xpipe.partition(transformer_lm(blocks=4), 3, sample_input=TOKENS, cost="memory")
+    again = xpipe.Partition.from_json(plan.to_json())
+    assert again == plan
+    assert dict(again.graph.nodes(data=True)) == dict(plan.graph.nodes(data=True))
+    assert again.boundaries[0][0].shape == (2, 16, 64)
+
+
+def test_printed_plan_is_a_table():
+    text = str(xpipe.partition(transformer_lm(blocks=4), 2, sample_input=TOKENS))
+    assert "Partition of TransformerLM into 2 stages (cost: params" in text
+    assert "stage  layers" in text and "cut 0->1" in text and "repeated: 4 blocks" in text
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"stages": 0}, "stages: must be a positive integer, got 0"),
+        ({"stages": 12}, "stages: 12 stages need at least 12 layers, but there are only 10"),
+        ({"stages": 2, "cost": "speed"}, "cost: 'speed' is not a cost model; use one of params, flops, time, memory"),
+        ({"stages": 2, "cost": "flops"}, "sample_input: cost='flops' runs the model once"),
+        ({"balance": [5, 4]}, r"balance: \[5, 4\] sums to 9 but the model has 10 layers; make it sum to 10"),
+        ({"balance": [10, 0]}, "balance: every stage needs a positive whole number of layers"),
+        ({"stages": 3, "balance": [5, 5]}, "balance: has 2 stages but stages=3"),
+        ({}, "stages: give the number of stages, or balance="),
+    ],
+)
+def test_bad_input_names_the_argument(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        xpipe.partition(mlp_stack(blocks=8), **kwargs)
+
+
+def test_untraceable_model_is_rejected_with_the_fix():
+    class Branchy(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layer = nn.Linear(2, 2)
+
+        def forward(self, x):
+            return self.layer(x) if x.sum() > 0 else x
+
+    with pytest.raises(ValueError, match="module: torch.fx cannot trace 'Branchy'"):
+        xpipe.partition(Branchy(), 1)

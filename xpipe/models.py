@@ -1,0 +1,110 @@
+"""Small reference models that the examples, tests, benchmarks and ``xpipe-viz`` use.
+
+They are ordinary PyTorch: nothing in them knows about pipelining.
+
+    python -c "import xpipe.models as m; print(m.transformer_lm())"
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(frozen=True)
+class LMConfig:
+    """Size of a decoder-only transformer language model."""
+
+    vocab: int = 256  # tokens in the vocabulary
+    seq: int = 64  # longest sequence (learned positions)
+    width: int = 64  # model (embedding) width
+    heads: int = 4  # attention heads; must divide width
+    blocks: int = 8  # identical transformer blocks
+    tie_weights: bool = True  # the head reuses the embedding matrix
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: causal self-attention, then an MLP. ``[b, t, w] -> [b, t, w]``."""
+
+    def __init__(self, width: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.norm1 = nn.LayerNorm(width)
+        self.qkv = nn.Linear(width, 3 * width)
+        self.proj = nn.Linear(width, width)
+        self.norm2 = nn.LayerNorm(width)
+        self.up = nn.Linear(width, 4 * width)
+        self.down = nn.Linear(4 * width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, time, width = x.shape
+        q, k, v = self.qkv(self.norm1(x)).split(width, dim=-1)
+        q, k, v = (t.view(batch, time, self.heads, -1).transpose(1, 2) for t in (q, k, v))
+        attended = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # [b, heads, t, w/heads]
+        x = x + self.proj(attended.transpose(1, 2).reshape(batch, time, width))
+        return x + self.down(F.gelu(self.up(self.norm2(x))))
+
+
+class Embedding(nn.Module):
+    """Token plus learned position embedding. ``[b, t] (int) -> [b, t, w]``."""
+
+    def __init__(self, vocab: int, seq: int, width: int) -> None:
+        super().__init__()
+        self.tokens = nn.Embedding(vocab, width)
+        self.positions = nn.Parameter(torch.zeros(seq, width))
+        nn.init.normal_(self.positions, std=0.02)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.tokens(ids) + self.positions[: ids.shape[1]]
+
+
+class TransformerLM(nn.Module):
+    """Decoder-only LM: embedding, ``blocks`` identical blocks, norm, head. ``[b, t] -> [b, t, vocab]``."""
+
+    def __init__(self, config: LMConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.embed = Embedding(config.vocab, config.seq, config.width)
+        self.blocks = nn.ModuleList(Block(config.width, config.heads) for _ in range(config.blocks))
+        self.norm = nn.LayerNorm(config.width)
+        self.head = nn.Linear(config.width, config.vocab, bias=False)
+        if config.tie_weights:
+            self.head.weight = self.embed.tokens.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x))
+
+
+def transformer_lm(blocks: int = 8, width: int = 64, **config: int) -> TransformerLM:
+    """A small tied-weight transformer LM; keyword arguments override :class:`LMConfig`."""
+    torch.manual_seed(0)
+    return TransformerLM(LMConfig(blocks=blocks, width=width, **config))
+
+
+class MLPBlock(nn.Module):
+    """Residual MLP block. ``[b, w] -> [b, w]``."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.up = nn.Linear(width, 2 * width)
+        self.down = nn.Linear(2 * width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.relu(self.up(self.norm(x))))
+
+
+def mlp_stack(blocks: int = 8, width: int = 32, *, inputs: int = 16, outputs: int = 10) -> nn.Sequential:
+    """An ``nn.Sequential``: input projection, ``blocks`` MLP blocks, output projection."""
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Linear(inputs, width),
+        *(MLPBlock(width) for _ in range(blocks)),
+        nn.Linear(width, outputs),
+    )

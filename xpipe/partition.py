@@ -21,6 +21,7 @@ from xpipe._balance import balance_by_cost, stage_costs
 from xpipe.graph import OUTPUT, layer_names, module_graph
 
 COSTS = ("params", "flops", "time", "memory")
+_UNITS = {"params": "", "flops": "FLOP", "time": "s", "memory": "B"}
 _TUPLE_KEYS = {"shape", "out_shape", "per_stage"}  # fields that JSON turns into lists
 
 
@@ -119,7 +120,7 @@ class Partition:
                 f"{'stage':>5}  {'layers':>6}  {'cost':>10}  first .. last layer"]
         for index, (names, cost) in enumerate(zip(self.stages, self.costs)):
             span = names[0] if len(names) == 1 else f"{names[0]} .. {names[-1]}"
-            rows.append(f"{index:>5}  {len(names):>6}  {_human(cost):>10}  {span}")
+            rows.append(f"{index:>5}  {len(names):>6}  {_human(cost) + _UNITS[self.cost]:>10}  {span}")
         for cut, crossings in enumerate(self.boundaries):
             for crossing in crossings:
                 size = ("(size unknown: no sample_input)" if crossing.shape is None else
@@ -343,6 +344,7 @@ def _blocks_per_stage(start: int, period: int, count: int, balance: tuple[int, .
 
 
 def _human(value: float) -> str:
+    """``1234567`` -> ``"1.235M"``: four significant digits and an SI prefix."""
     for unit in ("", "K", "M", "G", "T"):
         if abs(value) < 1000:
             return f"{value:.4g}{unit}"

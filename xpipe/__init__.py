@@ -1,10 +1,23 @@
 """xpipe: GPipe-style pipeline parallelism for PyTorch/XLA.
 
     plan = xpipe.partition(model, stages=4, sample_input=batch, cost="flops")
-    print(plan)
+    pipe = xpipe.Pipe(model, chunks=8, mesh=xpipe.make_mesh(stages=4))
 """
 
 from xpipe.graph import module_graph
 from xpipe.partition import Partition, partition
 
-__all__ = ["Partition", "module_graph", "partition"]
+__all__ = ["Partition", "Pipe", "make_mesh", "module_graph", "partition"]
+
+
+def __getattr__(name: str):
+    # Pipe and make_mesh import torch_xla, which the pure partitioner does not need.
+    if name == "Pipe":
+        from xpipe.pipe import Pipe
+
+        return Pipe
+    if name == "make_mesh":
+        from xpipe.mesh import make_mesh
+
+        return make_mesh
+    raise AttributeError(f"module 'xpipe' has no attribute {name!r}")

@@ -64,13 +64,21 @@ def module_graph(
         raise TypeError(f"module: expected a torch.nn.Module, got {type(module).__name__}")
     if measure_time and sample_input is None:
         raise ValueError("measure_time: timing layers needs sample_input= as well")
-    traced = _trace(module)
-    layer_of = _assign_layers(traced)
+    traced, layer_of = trace_layers(module)
     graph = _build_graph(module, traced, layer_of)
     if sample_input is not None:
         values = _profile(module, traced, _as_args(sample_input), measure_time)
         _annotate(graph, traced, layer_of, values, measure_time)
     return graph
+
+
+def trace_layers(module: nn.Module) -> tuple[torch.fx.GraphModule, dict[torch.fx.Node, str]]:
+    """Trace ``module`` and map each compute node of the trace to the layer that runs it.
+
+    The executors use this to cut the traced forward into stages.
+    """
+    traced = _trace(module)
+    return traced, _assign_layers(traced)
 
 
 def layer_names(graph: nx.DiGraph) -> list[str]:

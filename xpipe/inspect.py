@@ -1,0 +1,154 @@
+"""Communication audit: the collectives in a compiled step, read from XLA's optimized HLO.
+
+XLA writes the program it really runs (after SPMD partitioning) only when asked
+before the runtime starts, so the audit is two calls:
+
+    xpipe.inspect.enable_hlo_dump()          # first thing, before any XLA tensor
+    ...
+    report = xpipe.inspect.audit(lambda: train_step(batch))
+    print(report)                              # kind, count, bytes, groups, in loop or not
+    report.count("all-gather")
+
+:func:`collectives` parses HLO text on its own, for dumps made any other way.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import re
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+KINDS = ("all-reduce", "all-gather", "all-to-all", "reduce-scatter", "collective-permute",
+         "collective-broadcast")
+_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4,
+          "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16}
+_OP = re.compile(r"^\s*(?:ROOT )?%?[\w.\-]+ = (?P<type>.+?) (?P<kind>" + "|".join(KINDS) + r")(?:-start)?\(")
+_SHAPE = re.compile(r"(\w+)\[([\d,]*)\]")
+_COMPUTATION = re.compile(r"^(?:ENTRY )?%?(?P<name>[\w.\-]+) .*\{\s*$")
+_WHILE_BODY = re.compile(r"while\(.*body=%?(?P<body>[\w.\-]+)")
+
+
+@dataclass(frozen=True)
+class Collective:
+    """One collective instruction of a compiled program."""
+
+    kind: str  # e.g. "all-reduce"
+    shapes: tuple[tuple[str, tuple[int, ...]], ...]  # (dtype, dims) of each result
+    bytes: int  # bytes of the result, per device
+    groups: tuple[tuple[int, ...], ...]  # replica groups, or source-target pairs for permutes
+    computation: str  # HLO computation that holds it
+    in_loop: bool  # inside a while loop body: runs once per iteration
+
+
+@dataclass(frozen=True)
+class CommunicationReport:
+    """Every collective of one compiled program."""
+
+    ops: tuple[Collective, ...]
+    program: str  # path of the HLO dump read
+
+    def count(self, kind: str, *, in_loop: bool | None = None) -> int:
+        """How many ``kind`` instructions, optionally only those in (or out of) loops."""
+        return len(self.of(kind, in_loop=in_loop))
+
+    def of(self, kind: str, *, in_loop: bool | None = None) -> list[Collective]:
+        if kind not in KINDS:
+            raise ValueError(f"kind: {kind!r} is not a collective; use one of {', '.join(KINDS)}")
+        return [op for op in self.ops if op.kind == kind and (in_loop is None or op.in_loop == in_loop)]
+
+    def __str__(self) -> str:
+        lines = [f"{'collective':<20} {'where':<6} {'bytes':>10}  groups"]
+        for op in self.ops:
+            groups = " ".join("{" + ",".join(map(str, g)) + "}" for g in op.groups[:8])
+            lines.append(f"{op.kind:<20} {'loop' if op.in_loop else 'step':<6} {op.bytes:>10}  {groups}")
+        totals = ", ".join(f"{kind} {self.count(kind)}" for kind in KINDS if self.count(kind))
+        return "\n".join([*lines, f"total: {totals or 'none'}"])
+
+
+def enable_hlo_dump(directory: str | os.PathLike | None = None) -> Path:
+    """Ask XLA to write every compiled program's optimized HLO to ``directory``.
+
+    Must run before the XLA runtime starts (before the first XLA tensor): XLA reads
+    its flags once. Returns the directory (a new temporary one by default).
+
+    Raises:
+        RuntimeError: if the runtime has already started.
+    """
+    import torch_xla
+
+    if torch_xla._XLAC._xla_runtime_is_initialized():
+        raise RuntimeError("enable_hlo_dump: the XLA runtime has already started; call it before the "
+                           "first XLA tensor is made (e.g. right after import)")
+    path = Path(directory or tempfile.mkdtemp(prefix="xpipe-hlo-"))
+    path.mkdir(parents=True, exist_ok=True)
+    flags = os.environ.get("XLA_FLAGS", "")
+    os.environ["XLA_FLAGS"] = f"{flags} --xla_dump_to={path} --xla_dump_hlo_as_text"
+    os.environ["XPIPE_HLO_DUMP"] = str(path)
+    return path
+
+
+def audit(step: Callable[[], object]) -> CommunicationReport:
+    """Run ``step`` (which builds a training step's lazy graph), compile and execute it,
+    and report the collectives of the largest program it compiled.
+
+    Raises:
+        RuntimeError: without :func:`enable_hlo_dump`, or if ``step`` compiled nothing
+            new (it hit the compile cache: audit before the first run of a step).
+    """
+    import torch_xla
+
+    directory = os.environ.get("XPIPE_HLO_DUMP")
+    if not directory:
+        raise RuntimeError("audit: call xpipe.inspect.enable_hlo_dump() before the XLA runtime starts")
+    pattern = os.path.join(directory, "*after_optimizations.txt")
+    before = set(glob.glob(pattern))
+    step()
+    torch_xla.sync()
+    torch_xla._XLAC._xla_wait_device_ops([])
+    new = sorted(set(glob.glob(pattern)) - before, key=os.path.getsize)
+    if not new:
+        raise RuntimeError("audit: the step compiled no new program (it was cached); audit a step's first run")
+    return CommunicationReport(tuple(collectives(Path(new[-1]).read_text())), new[-1])
+
+
+def collectives(hlo: str) -> list[Collective]:
+    """Every collective in optimized HLO text, with the computation that holds it."""
+    bodies = set(_WHILE_BODY.findall(hlo))
+    found = []
+    computation = ""
+    for line in hlo.splitlines():
+        header = _COMPUTATION.match(line)
+        if header and " = " not in line.split("{")[0]:
+            computation = header["name"]
+            continue
+        match = _OP.match(line)
+        if match:
+            shapes = tuple((dtype, tuple(int(d) for d in dims.split(",") if d))
+                           for dtype, dims in _SHAPE.findall(match["type"]))
+            size = sum(_BYTES.get(dtype, 4) * int(np.prod(dims, dtype=np.int64)) for dtype, dims in shapes)
+            found.append(Collective(match["kind"], shapes, size, _groups(line), computation, computation in bodies))
+    return found
+
+
+def _groups(line: str) -> tuple[tuple[int, ...], ...]:
+    """Replica groups (explicit or iota form) or source-target pairs of one instruction."""
+    pairs = re.search(r"source_target_pairs=\{(.*?)\}\}", line)
+    if pairs:
+        return tuple(tuple(map(int, p.split(","))) for p in re.findall(r"\{(\d+,\d+)", pairs[1] + "}"))
+    explicit = re.search(r"replica_groups=\{((?:\{[\d,]*\},?)*)\}", line)
+    if explicit:
+        return tuple(tuple(map(int, g.split(","))) for g in re.findall(r"\{([\d,]+)\}", explicit[1]))
+    iota = re.search(r"replica_groups=\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", line)
+    if iota:
+        count, size = int(iota[1]), int(iota[2])
+        devices = np.arange(np.prod([int(d) for d in iota[3].split(",")])).reshape([int(d) for d in iota[3].split(",")])
+        if iota[4]:
+            devices = devices.transpose([int(p) for p in iota[4].split(",")])
+        return tuple(tuple(int(d) for d in row) for row in devices.reshape(count, size))
+    return ()

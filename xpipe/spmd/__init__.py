@@ -1,0 +1,1 @@
+"""The SPMD executor: a stacked, repeated body pipelined over a ("data", "stage") mesh."""

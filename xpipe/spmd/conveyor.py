@@ -1,0 +1,170 @@
+"""The conveyor: how microbatches enter, cross and leave the stacked stages.
+
+A step's batch lives on the mesh as a *slot buffer* ``[S * D, R, rows, F]``:
+the device of stage ``s`` and data replica ``d`` (index ``s * D + d``) holds ``R``
+slots (microbatches) of ``rows`` rows with ``F`` features each. For batch-first
+input this is just a view of the batch sharded over ``("stage", "data")``, so it
+costs no communication. Which rows form a
+microbatch is the executor's choice; row-wise models give the same result.
+
+Each forward clock ``t`` of the GPipe schedule:
+
+1. stage 0 takes its input from column ``t // S`` of the input buffer, every other
+   stage takes the previous stage's output (``shift(state, 1)``);
+2. every stage runs its blocks (``[S * D, rows, F]`` in, same out);
+3. the active input column moves one stage down (``shift(column, -1)``), so
+   the next microbatch reaches stage 0; the active output column does too, and
+   the last stage writes its result into it.
+
+Both column moves travel in one collective-permute, the state in another: two
+per clock, and their mirror images in the backward loop. The output column of
+microbatch ``m`` is written ``S`` times as it moves, and comes to rest in the
+very slot its input started in; so the output buffer is again a plain view of
+the batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from xpipe.collectives import shift
+from xpipe.schedule import FORWARD, Schedule
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Shape of a step's slot buffer ``[stages * data, slots, rows, features]``."""
+
+    stages: int  # S
+    data: int  # D
+    chunks: int  # microbatches the user asked for
+    slots: int  # R = ceil(chunks / stages): microbatches per stage
+    rows: int  # rows of one microbatch on one data replica
+
+    @property
+    def padded_chunks(self) -> int:
+        """Microbatches run: ``chunks`` rounded up to fill every stage's slots."""
+        return self.stages * self.slots
+
+    @property
+    def padded_batch(self) -> int:
+        return self.padded_chunks * self.data * self.rows
+
+
+def make_layout(batch: int, chunks: int, stages: int, data: int) -> Layout:
+    """Lay ``batch`` rows out as ``chunks`` microbatches over a ``data x stages`` mesh.
+
+    Raises:
+        ValueError: if the batch does not split into ``chunks`` microbatches whose
+            rows divide evenly over the data replicas.
+    """
+    if batch % chunks:
+        raise ValueError(f"chunks: a batch of {batch} does not split into {chunks} equal microbatches; "
+                         f"use a batch that is a multiple of {chunks}")
+    micro = batch // chunks
+    if micro % data:
+        raise ValueError(f"chunks: microbatches of {micro} rows do not split over the mesh's {data} data "
+                         f"replicas; use a batch that is a multiple of chunks x data = {chunks * data}")
+    return Layout(stages, data, chunks, -(-chunks // stages), micro // data)
+
+
+def to_slots(x: torch.Tensor, layout: Layout, microbatch_dim: int | None) -> torch.Tensor:
+    """Rearrange one input into the flat slot order ``[S * D * R * rows, ...]``.
+
+    Batch-first input ``[batch, ...]`` is already in that order (padded with zero
+    microbatches when ``chunks`` is not a multiple of the stage count). Input with
+    a microbatch dim of size ``chunks`` is put into it.
+    """
+    if microbatch_dim is None:
+        return _pad_rows(x, layout.padded_batch)
+    micro = _pad_rows(x.movedim(microbatch_dim, 0), layout.padded_chunks)  # [M', mb, ...]
+    grid = micro.reshape(layout.stages, layout.slots, layout.data, layout.rows, *micro.shape[2:])
+    return grid.transpose(1, 2).reshape(layout.padded_batch, *micro.shape[2:])
+
+
+def from_slots(y: torch.Tensor, layout: Layout, microbatch_dim: int | None) -> torch.Tensor:
+    """Inverse of :func:`to_slots` for one output ``[S * D * R * rows, ...]``."""
+    if microbatch_dim is None:
+        return y[: layout.chunks * layout.data * layout.rows]
+    grid = y.reshape(layout.stages, layout.data, layout.slots, layout.rows, *y.shape[1:])
+    micro = grid.transpose(1, 2).reshape(layout.padded_chunks, layout.data * layout.rows, *y.shape[1:])
+    return micro[: layout.chunks].movedim(0, microbatch_dim)
+
+
+def _pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
+    if x.shape[0] == rows:
+        return x
+    return torch.cat([x, x.new_zeros(rows - x.shape[0], *x.shape[1:])])
+
+
+def column_tables(schedule: Schedule, layout: Layout) -> tuple[np.ndarray, np.ndarray]:
+    """One-hot input and output columns per forward clock, ``[clocks, R]`` each.
+
+    Row ``t`` of the input table marks the column stage 0 reads at clock ``t``
+    (none in the drain); row ``t`` of the output table marks the column the last
+    stage writes (none in the fill).
+
+    Raises:
+        ValueError: if the schedule's forward is not the fill-drain wavefront
+            (stage ``s`` runs microbatch ``t - s`` at clock ``t``) this conveyor runs.
+    """
+    rows = schedule.forward_clocks()
+    last = layout.stages - 1
+    inputs = np.zeros((len(rows), layout.slots), np.float32)
+    outputs = np.zeros((len(rows), layout.slots), np.float32)
+    for clock, row in enumerate(rows):
+        for stage, action in enumerate(row):
+            expected = clock - stage
+            running = action.microbatch if action is not None and action.kind == FORWARD else None
+            if running != (expected if 0 <= expected < layout.padded_chunks else None):
+                raise ValueError(f"schedule: the spmd executor runs fill-drain forwards; {schedule.name!r} "
+                                 f"runs {action} on stage {stage} at clock {clock}")
+        if clock < layout.padded_chunks:
+            inputs[clock, clock // layout.stages] = 1
+        if clock >= last:
+            outputs[clock, (clock - last) // layout.stages] = 1
+    return inputs, outputs
+
+
+StageFn = Callable[[tuple[torch.Tensor, ...], torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def make_tick(stages: int, data: int, run_stages: StageFn) -> Callable:
+    """The body of the clock loop, for ``torch_xla.experimental.scan``.
+
+    Every tensor's dim 0 is the mesh's ``S * D`` devices, stage-major, so moving
+    a slice one stage on is a shift by ``D`` places. Carry:
+    ``(state [S*D, rows, F], inputs [S*D, R, rows, F], outputs [S*D, R, rows, F],
+    valid [S*D, K], weights)``; per clock: the one-hot input and output columns ``[R]``.
+    """
+
+    def next_stage(x: torch.Tensor, direction: int) -> torch.Tensor:
+        return shift(x, direction * data) if stages > 1 else torch.zeros_like(x)
+
+    def tick(carry, columns):
+        state, inputs, outputs, valid, weights = carry
+        read, write = columns
+        device = torch.arange(stages * data, device=state.device)
+        first = (device < data).view(-1, *[1] * (state.dim() - 1))
+        last = (device >= (stages - 1) * data).view(-1, *[1] * (state.dim() - 1))
+        read_mask = _column_mask(read, inputs)
+        write_mask = _column_mask(write, outputs)
+        entering = (inputs * read_mask).sum(1)  # [S*D, rows, F]
+        leaving = (outputs * write_mask).sum(1)
+        state = run_stages(weights, valid, torch.where(first, entering, next_stage(state, 1)))
+        moved = next_stage(torch.stack([entering, leaving], 1), -1)  # both columns, one permute
+        leaving = torch.where(last, state, moved[:, 1])
+        inputs = torch.where(read_mask > 0, moved[:, 0].unsqueeze(1), inputs)
+        outputs = torch.where(write_mask > 0, leaving.unsqueeze(1), outputs)
+        return (state, inputs, outputs, valid, weights), None
+
+    return tick
+
+
+def _column_mask(onehot: torch.Tensor, buffer: torch.Tensor) -> torch.Tensor:
+    """``[R]`` -> ``[1, R, 1, ...]`` to broadcast against a slot buffer."""
+    return onehot.view(1, -1, *([1] * (buffer.dim() - 2)))

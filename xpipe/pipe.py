@@ -125,6 +125,19 @@ class Pipe(nn.Module):
                     target.copy_(value.to(target.device))
         return nn.modules.module._IncompatibleKeys(missing, unexpected)
 
+    def named_gradients(self) -> dict[str, torch.Tensor | None]:
+        """Gradients under the wrapped module's parameter names, the body unstacked."""
+        grads: dict[str, torch.Tensor | None] = {}
+        for key, source in self._state_sources.items():
+            if isinstance(source, tuple):
+                index, block = source
+                stacked = self.runner.body.weights[index].grad
+                stage, slot = self.runner.block_slot(block)
+                grads[key] = None if stacked is None else stacked[stage, slot].view(self.runner.body.shapes[index])
+            elif isinstance(tensor := source.state_dict(keep_vars=True)[key], nn.Parameter):
+                grads[key] = tensor.grad
+        return grads
+
     def _state_tensor(self, key: str) -> torch.Tensor:
         source = self._state_sources[key]
         if isinstance(source, tuple):

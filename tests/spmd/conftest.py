@@ -2,13 +2,16 @@
 
 In the main pytest process, every ``test_*.py`` here is collected as one item that
 re-runs pytest on that file in a subprocess with ``XPIPE_SPMD_WORKER=1``; in that
-worker, SPMD mode is switched on before any XLA tensor exists and the tests are
-collected normally. A failing worker fails the item and shows the worker's output.
+worker the tests are collected normally and switch SPMD mode on through
+``xpipe.mesh.spmd_device()`` (so a file can still set XLA flags first). A file
+that needs another device count says so in a line ``CPU_NUM_DEVICES = N``.
+A failing worker fails the item and shows the worker's output.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -16,11 +19,7 @@ from pathlib import Path
 import pytest
 
 WORKER = os.environ.get("XPIPE_SPMD_WORKER") == "1"
-
-if WORKER:
-    import torch_xla.runtime as xr
-
-    xr.use_spmd()
+DEVICES = re.compile(r"^CPU_NUM_DEVICES = (\d+)$", re.MULTILINE)
 
 
 class SpmdFile(pytest.File):
@@ -35,6 +34,9 @@ class SpmdRun(pytest.Item):
 
     def runtest(self) -> None:
         environment = dict(os.environ, XPIPE_SPMD_WORKER="1")
+        devices = DEVICES.search(self.path.read_text())
+        if devices:
+            environment["CPU_NUM_DEVICES"] = devices[1]
         command = [sys.executable, "-m", "pytest", str(self.path), "-q", "-p", "no:cacheprovider",
                    "--rootdir", str(self.config.rootpath)]
         result = subprocess.run(command, env=environment, capture_output=True, text=True)

@@ -6,13 +6,17 @@ import torch_xla
 import torch_xla.distributed.spmd as xs
 import torch_xla.runtime as xr
 
+from xpipe.mesh import spmd_device
+
 
 def test_eight_devices_in_spmd_mode():
+    spmd_device()
     assert xr.is_spmd()
     assert xr.global_runtime_device_count() == 8
 
 
 def test_sharded_matmul_matches_cpu():
+    spmd_device()
     mesh = xs.Mesh(np.arange(8), (2, 4), ("data", "stage"))
     x = torch.arange(64 * 16, dtype=torch.float32).reshape(64, 16) / 100
     w = torch.linspace(-1, 1, 16 * 8).reshape(16, 8)

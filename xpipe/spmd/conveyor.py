@@ -143,7 +143,11 @@ def make_tick(stages: int, data: int, run_stages: StageFn) -> Callable:
     """
 
     def next_stage(x: torch.Tensor, direction: int) -> torch.Tensor:
-        return shift(x, direction * data) if stages > 1 else torch.zeros_like(x)
+        if stages > 1:
+            return shift(x, direction * data)
+        # Nothing moves with one stage; ``x * 0`` (not zeros_like) keeps every carry
+        # in the traced graph, as scan needs a gradient for each.
+        return x * 0
 
     def tick(carry, columns):
         state, inputs, outputs, valid, weights = carry

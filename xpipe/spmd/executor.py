@@ -51,6 +51,10 @@ class SpmdPipeline(nn.Module):
         self.checkpoint = checkpoint
         self.pre = stacked.pre
         self.post = stacked.post
+        for tensor in [*self.pre.parameters(), *self.post.parameters()]:
+            # Replicated from the start: an unannotated weight comes out of the first step
+            # annotated "replicated", and the second step would compile anew.
+            xs.mark_sharding(tensor, mesh, (None,) * tensor.dim())
         self.block_count = len(stacked.blocks)
         self.per_stage = spread(self.block_count, self.stages)
         self.depth = max(self.per_stage)  # K: block slots per stage

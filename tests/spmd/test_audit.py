@@ -1,0 +1,71 @@
+"""The communication audit of a training step: 2 (data) x 4 (stage) mesh, tiny LM.
+
+Per clock the conveyor moves two tensors one stage on (the hidden state, and the
+input/output columns together); the backward loop moves their gradients back.
+So each clock loop holds exactly 2 collective-permutes forward and 2 backward,
+run ``chunks + stages - 1`` times each: ``4 * (chunks + stages - 1)`` per step.
+"except_last" splits the clocks into two loops (recomputed, then not): 8 in all.
+"""
+
+import pytest
+import torch_xla
+
+import xpipe
+import xpipe.inspect
+
+DUMP = xpipe.inspect.enable_hlo_dump()  # before any XLA tensor: XLA reads its flags once
+
+from pipe_checks import batch_for, loss_of, tiny_lm  # noqa: E402
+
+DATA, STAGES = 2, 4
+LOOPS = {"never": 1, "always": 1, "except_last": 2}
+
+
+def audited_step(chunks: int, checkpoint: str):
+    model = tiny_lm()
+    pipe = xpipe.Pipe(model, chunks=chunks, mesh=xpipe.make_mesh(STAGES, DATA), checkpoint=checkpoint)
+    batch, targets = batch_for(model, chunks * DATA)
+
+    def step():
+        loss_of(pipe(batch), targets.to(torch_xla.device())).backward()
+
+    return pipe, xpipe.inspect.audit(step)
+
+
+@pytest.fixture(scope="module", params=["except_last", "never"])
+def audits(request):
+    return {chunks: audited_step(chunks, request.param) for chunks in (8, 32)}, request.param
+
+
+def test_no_all_to_all_and_no_all_gather(audits):
+    _, report = audits[0][8]
+    assert report.count("all-to-all") == 0, report
+    assert report.count("all-gather") == 0, report
+
+
+def test_permutes_are_the_conveyors_two_per_clock_each_way(audits):
+    reports, checkpoint = audits
+    for _, report in reports.values():
+        permutes = report.of("collective-permute")
+        assert len(permutes) == 4 * LOOPS[checkpoint], report
+        assert all(op.in_loop for op in permutes)
+        for op in permutes:  # one stage on or back: device s * DATA + d <-> (s +- 1) * DATA + d
+            assert {abs(target - source) for source, target in op.groups} == {DATA}
+
+
+def test_gradients_are_reduced_over_data_once_per_step(audits):
+    pipe, report = audits[0][8]
+    data_groups = {tuple(range(s * DATA, (s + 1) * DATA)) for s in range(STAGES)}
+    assert report.count("all-reduce", in_loop=True) == 0, report
+    body_shards = sorted(w.shape[1] * w.shape[2] * 4 for w in pipe.runner.body.weights)
+    over_data = sorted(op.bytes for op in report.of("all-reduce") if set(op.groups) == data_groups)
+    assert over_data == body_shards, report  # one all-reduce per stacked weight, of its shard
+    others = [op for op in report.of("all-reduce") if set(op.groups) != data_groups]
+    replicated = {p.numel() * 4 for name, p in pipe.named_parameters() if not name.startswith("runner.body")}
+    assert all(op.bytes in replicated or op.bytes <= 8 for op in others), report  # no activation-sized one
+
+
+def test_reductions_do_not_grow_with_chunks(audits):
+    reports, _ = audits
+    for kind in ("all-reduce", "collective-permute"):
+        assert reports[8][1].count(kind) == reports[32][1].count(kind)

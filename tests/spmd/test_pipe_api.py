@@ -1,0 +1,100 @@
+"""Pipe's contract beyond the numbers: state dicts, loader-shaped input, compiles, bad input."""
+
+import copy
+
+import pytest
+import torch
+import torch_xla
+import torch_xla.debug.metrics as metrics
+
+import xpipe
+from pipe_checks import ATOL, RTOL, batch_for, loss_of, tiny_lm, tiny_mlp
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    return xpipe.make_mesh(4, 2)
+
+
+def test_state_dict_has_the_modules_keys_and_shapes(mesh):
+    model = tiny_lm()
+    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    pipe = xpipe.Pipe(model, chunks=4, mesh=mesh)
+    assert {k: tuple(v.shape) for k, v in pipe.state_dict().items()} == expected
+    assert list(pipe.state_dict()) == list(expected)
+
+
+def test_load_state_dict_takes_another_models_weights(mesh):
+    source = tiny_lm()
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for parameter in source.parameters():
+            parameter.add_(0.05 * torch.randn(parameter.shape, generator=generator))
+    pipe = xpipe.Pipe(tiny_lm(), chunks=4, mesh=mesh)
+    pipe.load_state_dict(source.state_dict())
+    batch, _ = batch_for(source, 8)
+    torch.testing.assert_close(pipe(batch).cpu(), source(batch).detach(), rtol=RTOL, atol=ATOL)
+    with pytest.raises(RuntimeError, match=r"state_dict: missing keys \['head.weight'\]"):
+        pipe.load_state_dict({k: v for k, v in source.state_dict().items() if k != "head.weight"})
+
+
+@pytest.mark.parametrize("microbatch_dim", [0, 1])
+def test_loader_shaped_input_gives_the_same_rows(mesh, microbatch_dim):
+    model = tiny_mlp()
+    reference = copy.deepcopy(model)
+    pipe = xpipe.Pipe(model, chunks=8, mesh=mesh)
+    batch, _ = batch_for(reference, 8 * 4)  # 8 microbatches of 4 rows
+    stacked = batch.view(8, 4, -1).movedim(0, microbatch_dim)
+    output = pipe(stacked, microbatch_dim=microbatch_dim)
+    expected = reference(batch).view(8, 4, -1).movedim(0, microbatch_dim)
+    torch.testing.assert_close(output.cpu(), expected.detach(), rtol=RTOL, atol=ATOL)
+
+
+def test_five_training_steps_compile_once(mesh):
+    model = tiny_lm()
+    pipe = xpipe.Pipe(model, chunks=8, mesh=mesh)
+    optimizer = torch.optim.SGD(pipe.parameters(), lr=0.1)
+    batch, targets = batch_for(model, 16)
+    targets = targets.to(torch_xla.device())
+    compiles = []
+    for _ in range(5):
+        loss_of(pipe(batch), targets).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        torch_xla.sync()
+        compiles.append(metrics.metric_data("CompileTime")[0])
+    assert compiles[1:] == [compiles[0]] * 4
+
+
+def test_bad_arguments_name_themselves(mesh):
+    with pytest.raises(ValueError, match="chunks: must be a positive integer, got 0"):
+        xpipe.Pipe(tiny_mlp(), chunks=0, mesh=mesh)
+    with pytest.raises(ValueError, match="checkpoint: 'sometimes' is not a mode"):
+        xpipe.Pipe(tiny_mlp(), chunks=2, mesh=mesh, checkpoint="sometimes")
+    with pytest.raises(ValueError, match="executor: 'gpu' is not an executor"):
+        xpipe.Pipe(tiny_mlp(), chunks=2, mesh=mesh, executor="gpu")
+    with pytest.raises(ValueError, match="schedule: '1f1b' is not a schedule"):
+        xpipe.Pipe(tiny_mlp(), chunks=2, mesh=mesh, schedule="1f1b")
+    with pytest.raises(ValueError, match="stages: the model's body has 3 blocks, fewer than the 4 stages"):
+        xpipe.Pipe(tiny_mlp(blocks=3), chunks=2, mesh=mesh)
+    with pytest.raises(ValueError, match="stages: 2 does not match the mesh's 'stage' axis of 4"):
+        xpipe.Pipe(tiny_mlp(), chunks=2, mesh=mesh, stages=2)
+    with pytest.raises(ValueError, match=r"balance: the spmd executor spreads the 8 blocks evenly, which gives "
+                                         r"balance=\[3, 2, 2, 3\]"):
+        xpipe.Pipe(tiny_mlp(), chunks=2, mesh=mesh, balance=[1, 3, 3, 3])
+
+
+def test_bad_batches_name_the_fix(mesh):
+    pipe = xpipe.Pipe(tiny_mlp(), chunks=4, mesh=mesh)
+    with pytest.raises(ValueError, match="chunks: a batch of 6 does not split into 4 equal microbatches"):
+        pipe(torch.zeros(6, 8))
+    with pytest.raises(ValueError, match="chunks: microbatches of 1 rows do not split over the mesh's 2 data"):
+        pipe(torch.zeros(4, 8))
+    with pytest.raises(ValueError, match="microbatch_dim: input of shape \\[3, 8, 8\\] has no dim 0 of size chunks=4"):
+        pipe(torch.zeros(3, 8, 8), microbatch_dim=0)
+
+
+def test_make_mesh_says_which_stage_counts_fit():
+    with pytest.raises(ValueError, match=r"use stages in \[1, 2, 4, 8\]"):
+        xpipe.make_mesh(3)
+    assert xpipe.make_mesh(2).mesh_shape == (4, 2)

@@ -1,0 +1,34 @@
+"""Pipe on 8 devices equals the unpipelined model: outputs, loss, gradients, one SGD step.
+
+Every mesh (data x stage) runs chunks in {1, stages, 4 x stages}, for an MLP-block
+stack and a transformer LM with tied embedding and head, under each checkpoint mode.
+"""
+
+import pytest
+
+from pipe_checks import assert_matches_reference, tiny_lm, tiny_mlp
+
+MESHES = [(1, 8), (2, 4), (4, 2), (8, 1)]  # (data, stages)
+MODES = ["except_last", "always", "never"]
+CASES = [(data, stages, chunks, MODES[i % 3])
+         for i, (data, stages, chunks) in enumerate(
+             (d, s, c) for d, s in MESHES for c in sorted({1, s, 4 * s}))]
+
+
+@pytest.mark.parametrize("data, stages, chunks, checkpoint", CASES)
+def test_mlp_stack(data, stages, chunks, checkpoint):
+    assert_matches_reference(tiny_mlp(), stages=stages, data=data, chunks=chunks, checkpoint=checkpoint)
+
+
+@pytest.mark.parametrize("data, stages, chunks, checkpoint", CASES)
+def test_transformer_lm_with_tied_head(data, stages, chunks, checkpoint):
+    pipe = assert_matches_reference(tiny_lm(), stages=stages, data=data, chunks=chunks, checkpoint=checkpoint)
+    weights = pipe.state_dict(keep_vars=True)
+    assert weights["embed.tokens.weight"] is weights["head.weight"]
+
+
+@pytest.mark.parametrize("chunks, checkpoint", [(1, "always"), (4, "except_last"), (16, "never")])
+def test_seven_blocks_on_four_stages(chunks, checkpoint):
+    pipe = assert_matches_reference(tiny_lm(blocks=7), stages=4, data=2, chunks=chunks, checkpoint=checkpoint)
+    assert pipe.runner.per_stage == (2, 2, 2, 1)
+    assert pipe.partition.balance == (3, 2, 2, 3)  # embed + 2 blocks, ..., 1 block + norm + head

@@ -1,0 +1,13 @@
+"""Pipe on a 1 x 2 mesh (two emulated devices) equals the unpipelined model."""
+
+import pytest
+
+from pipe_checks import assert_matches_reference, tiny_lm, tiny_mlp
+
+CPU_NUM_DEVICES = 2
+
+
+@pytest.mark.parametrize("chunks", [1, 2, 8])
+@pytest.mark.parametrize("factory", [tiny_mlp, tiny_lm])
+def test_one_by_two_mesh(factory, chunks):
+    assert_matches_reference(factory(), stages=2, data=1, chunks=chunks, rows_per_replica=2)

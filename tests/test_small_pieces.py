@@ -1,0 +1,74 @@
+"""Pure pieces on the CPU: shift, recompute, the LayerNorm rewrite, the HLO parser."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from xpipe.checkpoint import check_mode, recompute
+from xpipe.collectives import shift
+from xpipe.inspect import collectives
+from xpipe.spmd.lowering import ShardableOps, layer_norm
+
+
+def test_shift_moves_slices_and_its_gradient_moves_them_back():
+    x = torch.arange(4.0).view(4, 1).requires_grad_()
+    moved = shift(x, 1)
+    assert moved.flatten().tolist() == [0, 0, 1, 2]
+    assert shift(x, -2).flatten().tolist() == [2, 3, 0, 0]
+    (moved * torch.tensor([[1.0], [2.0], [3.0], [4.0]])).sum().backward()
+    assert x.grad.flatten().tolist() == [2, 3, 4, 0]
+    with pytest.raises(ValueError, match="offset: must be a non-zero int"):
+        shift(x, 4)
+
+
+def test_recompute_gives_the_same_gradients():
+    weight = torch.randn(3, 3, requires_grad=True)
+    x = torch.randn(2, 3, requires_grad=True)
+    torch.tanh(x @ weight).pow(2).sum().backward()
+    expected = weight.grad.clone(), x.grad.clone()
+    weight.grad = x.grad = None
+    recompute(lambda a, w: torch.tanh(a @ w), x, weight).pow(2).sum().backward()
+    torch.testing.assert_close((weight.grad, x.grad), expected)
+    with pytest.raises(ValueError, match="checkpoint: 'all' is not a mode; use one of always, except_last, never"):
+        check_mode("all")
+
+
+def test_layer_norm_rewrite_matches_torch_and_is_used_in_the_mode():
+    x = torch.randn(2, 5, 8)
+    weight, bias = torch.randn(8), torch.randn(8)
+    torch.testing.assert_close(layer_norm(x, (8,), weight, bias), F.layer_norm(x, (8,), weight, bias),
+                               rtol=1e-5, atol=1e-5)
+    norm = torch.nn.LayerNorm(8)
+
+    def normalise(t):
+        with ShardableOps():
+            return norm(t)
+
+    ops = {str(node.target) for node in make_fx(normalise)(x).graph.nodes}
+    assert not any("layer_norm" in op for op in ops) and "aten.rsqrt.default" in ops
+    torch.testing.assert_close(normalise(x), norm(x), rtol=1e-5, atol=1e-5)
+
+
+HLO = """
+HloModule step
+
+%body (p: (f32[2])) -> (f32[2]) {
+  %cp = f32[1,4]{1,0} collective-permute(f32[1,4]{1,0} %x), channel_id=1, source_target_pairs={{0,2},{1,3}}
+}
+
+ENTRY %main () -> f32[] {
+  %w = (f32[2]) while(%t), condition=%cond, body=%body
+  %ar = f32[4,8]{1,0} all-reduce(%g), channel_id=2, replica_groups={{0,1},{2,3}}, to_apply=%add
+  %ag = bf16[16]{0} all-gather-start(%h), replica_groups=[2,2]<=[2,2]T(1,0), dimensions={0}
+}
+"""
+
+
+def test_hlo_parser_reads_kinds_sizes_groups_and_loops():
+    found = collectives(HLO)
+    assert [(c.kind, c.bytes, c.in_loop) for c in found] == [
+        ("collective-permute", 16, True), ("all-reduce", 128, False), ("all-gather", 32, False)]
+    assert found[0].groups == ((0, 2), (1, 3))
+    assert found[1].groups == ((0, 1), (2, 3))
+    assert found[2].groups == ((0, 2), (1, 3))

@@ -1,6 +1,6 @@
 """Train a small transformer LM with xpipe.Pipe on 8 emulated XLA devices.
 
-    python examples/train_lm.py [--steps 300]
+    python examples/train_lm.py [--steps 200]
 
 The mesh is 2 (data) x 4 (stage): the model's 8 blocks are split 2 per stage,
 the embedding and the (tied) head run data-parallel, and each step runs 8
@@ -36,7 +36,7 @@ def counting_batch(generator: torch.Generator) -> torch.Tensor:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--steps", type=int, default=200)
     steps = parser.parse_args().steps
 
     model = transformer_lm(blocks=8, width=64, heads=4, seq=SEQ, vocab=VOCAB)

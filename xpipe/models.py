@@ -55,6 +55,9 @@ class Embedding(nn.Module):
         super().__init__()
         self.tokens = nn.Embedding(vocab, width)
         self.positions = nn.Parameter(torch.zeros(seq, width))
+        # Small, as in GPT-2: the tokens matrix doubles as the head, and unit-variance
+        # rows would start the logits at a scale of sqrt(width).
+        nn.init.normal_(self.tokens.weight, std=0.02)
         nn.init.normal_(self.positions, std=0.02)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
@@ -107,4 +110,15 @@ def mlp_stack(blocks: int = 8, width: int = 32, *, inputs: int = 16, outputs: in
         nn.Linear(inputs, width),
         *(MLPBlock(width) for _ in range(blocks)),
         nn.Linear(width, outputs),
+    )
+
+
+def small_cnn(classes: int = 10) -> nn.Sequential:
+    """A CNN whose layers all differ (widths, resolutions): nothing repeats. ``[b, 3, 32, 32] -> [b, classes]``."""
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Conv2d(3, 16, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Conv2d(32, 64, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(), nn.Linear(64, classes),
     )

@@ -18,6 +18,7 @@ import numpy as np
 from torch import nn
 
 from xpipe._balance import balance_by_cost, stage_costs
+from xpipe._format import human
 from xpipe.graph import OUTPUT, layer_names, module_graph
 
 COSTS = ("params", "flops", "time", "memory")
@@ -120,11 +121,11 @@ class Partition:
                 f"{'stage':>5}  {'layers':>6}  {'cost':>10}  first .. last layer"]
         for index, (names, cost) in enumerate(zip(self.stages, self.costs)):
             span = names[0] if len(names) == 1 else f"{names[0]} .. {names[-1]}"
-            rows.append(f"{index:>5}  {len(names):>6}  {_human(cost) + _UNITS[self.cost]:>10}  {span}")
+            rows.append(f"{index:>5}  {len(names):>6}  {human(cost) + _UNITS[self.cost]:>10}  {span}")
         for cut, crossings in enumerate(self.boundaries):
             for crossing in crossings:
                 size = ("(size unknown: no sample_input)" if crossing.shape is None else
-                        f"{list(crossing.shape)} {crossing.dtype} {_human(crossing.bytes)}B")
+                        f"{list(crossing.shape)} {crossing.dtype} {human(crossing.bytes)}B")
                 rows.append(f"  cut {cut}->{cut + 1}: {crossing.producer} ({crossing.name}) {size} "
                             f"-> stage {crossing.last_stage}")
         if self.repeated:
@@ -341,15 +342,6 @@ def _blocks_per_stage(start: int, period: int, count: int, balance: tuple[int, .
                            int(np.searchsorted(ends, first + period - 1, side="right")) + 1):
             per_stage[stage] += 1
     return tuple(per_stage)
-
-
-def _human(value: float) -> str:
-    """``1234567`` -> ``"1.235M"``: four significant digits and an SI prefix."""
-    for unit in ("", "K", "M", "G", "T"):
-        if abs(value) < 1000:
-            return f"{value:.4g}{unit}"
-        value /= 1000
-    return f"{value:.4g}P"
 
 
 def _jsonable(value: Any) -> Any:

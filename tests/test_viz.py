@@ -1,0 +1,124 @@
+"""The visualiser: every format, its content, the command line and its errors."""
+
+import json
+import re
+import shutil
+import subprocess
+import xml.etree.ElementTree as ElementTree
+
+import pytest
+import torch
+
+import xpipe
+from xpipe.models import small_cnn, transformer_lm
+from xpipe.schedule import gpipe
+from xpipe.viz import PANELS, boxes, render, render_text
+from xpipe.viz_cli import main
+
+SVG = "{http://www.w3.org/2000/svg}"
+
+
+@pytest.fixture(scope="module", params=["lm", "cnn"])
+def plan(request):
+    if request.param == "lm":
+        model, sample, stages = transformer_lm(blocks=6), torch.zeros(4, 64, dtype=torch.long), 4
+    else:
+        model, sample, stages = small_cnn(), torch.zeros(2, 3, 32, 32), 3
+    partition = xpipe.partition(model, stages, sample_input=sample, cost="flops")
+    return partition, gpipe(stages, 8)
+
+
+def ids(root, prefix):
+    return [e.get("id") for e in root.iter() if e.get("id", "").startswith(prefix)]
+
+
+def test_svg_has_three_panels_every_cell_and_the_cut_labels(plan, tmp_path):
+    partition, schedule = plan
+    render(partition, schedule, tmp_path / "plan.svg")
+    root = ElementTree.parse(tmp_path / "plan.svg").getroot()
+    assert all(ids(root, panel) == [panel] for panel in PANELS)
+    assert len(ids(root, "cell-")) == schedule.stages * schedule.clocks
+    assert len(ids(root, "layer-")) == len(boxes(partition))
+    texts = " ".join(t.text or "" for t in root.iter(f"{SVG}text"))
+    if not texts.strip():  # matplotlib writes text as paths; its comments keep the strings
+        texts = (tmp_path / "plan.svg").read_text()
+    for cut in partition.boundaries:
+        crossing = cut[0]
+        assert f"{crossing.name} {list(crossing.shape)}" in texts
+    bubble = (schedule.stages - 1) / (schedule.chunks + schedule.stages - 1)
+    assert f"bubble {bubble:.1%}" in texts
+
+
+def test_html_is_self_contained_with_hover_text(plan, tmp_path):
+    partition, schedule = plan
+    render(partition, schedule, tmp_path / "plan.html")
+    html = (tmp_path / "plan.html").read_text()
+    assert html.startswith("<!DOCTYPE html>") and "<script src" not in html and "<link" not in html
+    assert "<title>clock 0, stage 0: forward of microbatch 0</title>" in html
+    assert re.search(r"<title>stage 0: forward FLOPs [\d.]+[KMG]?FLOP</title>", html)
+    assert all(f'id="{panel}"' in html for panel in PANELS)
+
+
+def test_png_is_a_picture(plan, tmp_path):
+    partition, schedule = plan
+    render(partition, schedule, tmp_path / "plan.png")
+    assert (tmp_path / "plan.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_text_has_the_plan_the_costs_and_the_timeline(plan):
+    partition, schedule = plan
+    text = render_text(partition, schedule)
+    assert f"into {schedule.stages} stages" in text and "per stage: parameters" in text
+    assert len(re.findall(r"^s\d+ ", text, re.MULTILINE)) == schedule.stages
+    assert f"bubble {schedule.bubble_fraction:.1%}" in text
+
+
+def test_long_chains_are_grouped():
+    partition = xpipe.partition(transformer_lm(blocks=48), 8)
+    grouped = boxes(partition)
+    assert len(grouped) == 1 + 8 + 2  # embed, a run of blocks per stage, norm, head
+    assert grouped[1].label == "Block x6" and len(grouped[1].layers) == 6
+
+
+def test_html_loads_in_headless_chromium(tmp_path):
+    browser = shutil.which("chromium") or shutil.which("chromium-browser")
+    assert browser, "headless Chromium is needed: apt-get install chromium (.ci/run does)"
+    partition = xpipe.partition(transformer_lm(blocks=4), 2, sample_input=torch.zeros(2, 64, dtype=torch.long))
+    render(partition, gpipe(2, 4), tmp_path / "plan.html")
+    result = subprocess.run(
+        [browser, "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+         "--disable-component-update", "--disable-sync", "--no-first-run", f"--user-data-dir={tmp_path / 'profile'}",
+         "--enable-logging=stderr", "--v=0", "--dump-dom", (tmp_path / "plan.html").as_uri()],
+        capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert all(f'id="{panel}"' in result.stdout for panel in PANELS)
+    console = [line for line in result.stderr.splitlines() if "CONSOLE" in line or "Uncaught" in line]
+    assert console == []
+
+
+def test_command_line_renders_a_factory_and_a_saved_plan(tmp_path, capsys):
+    assert main(["xpipe.models:transformer_lm", "--stages", "2", "--chunks", "4", "--cost", "flops",
+                 "--input-shape", "2,16", "--out", str(tmp_path / "plan.svg")]) == 0
+    assert (tmp_path / "plan.svg").exists()
+    saved = tmp_path / "plan.json"
+    saved.write_text(xpipe.partition(small_cnn(), 3).to_json())
+    assert main(["--partition", str(saved), "--chunks", "2", "--out", "-"]) == 0
+    out = capsys.readouterr().out
+    assert "Partition of Sequential into 3 stages" in out and "gpipe: 3 stages, 2 microbatches" in out
+    assert json.loads(saved.read_text())["balance"]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["no.such.module:model", "--stages", "2"], "factory: 'no.such.module:model' not found"),
+    (["xpipe.models:nothing", "--stages", "2"], "factory: 'xpipe.models:nothing' not found"),
+    (["xpipe.models:small_cnn", "--stages", "2", "--cost", "flops", "--input-shape", "2,5"],
+     "--input-shape 2,5 does not fit the model"),
+    (["xpipe.models:small_cnn", "--stages", "40"], "stages: 40 stages need at least 40 layers"),
+    (["xpipe.models:small_cnn", "--stages", "2", "--cost", "flops"], "sample_input: cost='flops' runs the model"),
+])
+def test_bad_arguments_print_one_line_and_fail(argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main([*argv, "--chunks", "4", "--out", "-"])
+    assert exit_info.value.code == 2
+    error = capsys.readouterr().err
+    assert error.count("\n") == 1 and message in error

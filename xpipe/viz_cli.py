@@ -1,0 +1,103 @@
+"""``xpipe-viz``: draw how a model is split and how its schedule runs.
+
+    xpipe-viz xpipe.models:transformer_lm --stages 4 --chunks 8 --cost flops \\
+        --input-shape 8,64 --out plan.html
+    xpipe-viz --partition plan.json --chunks 8 --out -          # text, from a saved plan
+
+The factory is ``PACKAGE.MODULE:FUNCTION``, called with no arguments. Bad
+arguments print one line naming the problem and exit with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from xpipe.partition import COSTS, Partition, partition
+from xpipe.schedule import SCHEDULES, by_name
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
+    arguments = parser.parse_args(argv)
+    try:
+        plan = _plan(arguments)
+        schedule = by_name(arguments.schedule, len(plan.balance), arguments.chunks)
+        from xpipe.viz import render, render_text
+
+        if arguments.out == "-":
+            print(render_text(plan, schedule))
+        else:
+            render(plan, schedule, arguments.out)
+            print(f"wrote {arguments.out}")
+    except (ValueError, ImportError, AttributeError, TypeError, RuntimeError, OSError) as error:
+        parser.exit(2, f"xpipe-viz: error: {str(error).splitlines()[0]}\n")
+    return 0
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="xpipe-viz", description="Draw a model's pipeline partition and schedule.")
+    parser.add_argument("factory", nargs="?", help="PACKAGE.MODULE:FUNCTION that returns the model")
+    parser.add_argument("--partition", help="draw a Partition saved with Partition.to_json() instead")
+    parser.add_argument("--stages", type=int, help="pipeline stages (with a factory)")
+    parser.add_argument("--chunks", type=int, required=True, help="microbatches per step")
+    parser.add_argument("--cost", choices=COSTS, default="params", help="what to balance (default: params)")
+    parser.add_argument("--input-shape", help="sample input shape, e.g. 8,128; needed by every cost but params")
+    parser.add_argument("--input-dtype", choices=("auto", "float32", "int64"), default="auto",
+                        help="sample input dtype; auto picks int64 when the first layer embeds tokens")
+    parser.add_argument("--schedule", choices=sorted(SCHEDULES), default="gpipe")
+    parser.add_argument("--out", required=True, help="FILE.svg, FILE.png, FILE.html, or - for text")
+    return parser
+
+
+def _plan(arguments: argparse.Namespace) -> Partition:
+    if arguments.partition:
+        if arguments.factory:
+            raise ValueError("factory: give a factory or --partition, not both")
+        return Partition.from_json(Path(arguments.partition).read_text())
+    if not arguments.factory:
+        raise ValueError("factory: give PACKAGE.MODULE:FUNCTION, or --partition plan.json")
+    if arguments.stages is None:
+        raise ValueError("--stages: how many stages to split the model into")
+    model = _load_factory(arguments.factory)
+    sample = _sample_input(model, arguments.input_shape, arguments.input_dtype)
+    try:
+        return partition(model, arguments.stages, sample_input=sample, cost=arguments.cost)
+    except RuntimeError as error:
+        raise ValueError(f"--input-shape {arguments.input_shape} does not fit the model: {error}") from error
+
+
+def _load_factory(spec: str) -> nn.Module:
+    module_name, _, function = spec.partition(":")
+    if not module_name or not function:
+        raise ValueError(f"factory: {spec!r} is not PACKAGE.MODULE:FUNCTION")
+    try:
+        factory = getattr(importlib.import_module(module_name), function)
+    except (ImportError, AttributeError) as error:
+        raise ValueError(f"factory: {spec!r} not found ({error})") from error
+    model = factory()
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"factory: {spec!r} returned a {type(model).__name__}, not a torch.nn.Module")
+    return model
+
+
+def _sample_input(model: nn.Module, shape: str | None, dtype: str) -> torch.Tensor | None:
+    if shape is None:
+        return None
+    try:
+        dims = [int(d) for d in shape.split(",")]
+    except ValueError as error:
+        raise ValueError(f"--input-shape: {shape!r} is not a comma-separated list of sizes, e.g. 8,128") from error
+    if dtype == "auto":
+        first = next((m for m in model.modules() if not list(m.children())), None)
+        dtype = "int64" if isinstance(first, nn.Embedding) else "float32"
+    return torch.zeros(dims, dtype=getattr(torch, dtype))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -95,7 +95,8 @@ def enable_hlo_dump(directory: str | os.PathLike | None = None) -> Path:
 
 def audit(step: Callable[[], object]) -> CommunicationReport:
     """Run ``step`` (which builds a training step's lazy graph), compile and execute it,
-    and report the collectives of the largest program it compiled.
+    and report the collectives of the largest program it compiled. What ``step``
+    returns, and the gradients it leaves, are what gets computed.
 
     Raises:
         RuntimeError: without :func:`enable_hlo_dump`, or if ``step`` compiled nothing
@@ -108,10 +109,11 @@ def audit(step: Callable[[], object]) -> CommunicationReport:
         raise RuntimeError("audit: call xpipe.inspect.enable_hlo_dump() before the XLA runtime starts")
     pattern = os.path.join(directory, "*after_optimizations.txt")
     before = set(glob.glob(pattern))
-    step()
+    result = step()  # kept alive through the sync, so that its graph is compiled
     torch_xla.sync()
     torch_xla._XLAC._xla_wait_device_ops([])
     new = sorted(set(glob.glob(pattern)) - before, key=os.path.getsize)
+    del result
     if not new:
         raise RuntimeError("audit: the step compiled no new program (it was cached); audit a step's first run")
     return CommunicationReport(tuple(collectives(Path(new[-1]).read_text())), new[-1])

@@ -15,6 +15,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 import torch_xla.distributed.spmd as xs
+import torch_xla.runtime as xr
 from torch import nn
 
 from xpipe.checkpoint import check_mode
@@ -157,18 +158,12 @@ def _resolve_mesh(mesh: xs.Mesh | None, stages: int | None, balance: Sequence[in
         raise ValueError(f"balance: has {len(balance)} stages but stages={stages}; make them agree")
     stages = stages if stages is not None else (len(balance) if balance is not None else None)
     if mesh is None:
-        return make_mesh(stages if stages is not None else _device_count())
+        return make_mesh(stages if stages is not None else xr.global_runtime_device_count())
     if tuple(mesh.axis_names) != ("data", "stage"):
         raise ValueError(f"mesh: axes are {mesh.axis_names}, expected ('data', 'stage'); build it with xpipe.make_mesh")
     if stages is not None and mesh.mesh_shape[1] != stages:
         raise ValueError(f"stages: {stages} does not match the mesh's 'stage' axis of {mesh.mesh_shape[1]}")
     return mesh
-
-
-def _device_count() -> int:
-    import torch_xla.runtime as xr
-
-    return xr.global_runtime_device_count()
 
 
 def _spmd_partition(module: nn.Module, plan: Partition, per_stage: tuple[int, ...],

@@ -37,7 +37,8 @@ class SpmdRun(pytest.Item):
         devices = DEVICES.search(self.path.read_text())
         if devices:
             environment["CPU_NUM_DEVICES"] = devices[1]
-        command = [sys.executable, "-m", "pytest", str(self.path), "-q", "-p", "no:cacheprovider",
+        # --tb=short: the long form prints arguments, and repr() of some SPMD tensors crashes the worker.
+        command = [sys.executable, "-m", "pytest", str(self.path), "-q", "--tb=short", "-p", "no:cacheprovider",
                    "--rootdir", str(self.config.rootpath)]
         result = subprocess.run(command, env=environment, capture_output=True, text=True)
         self.worker_output = result.stdout + result.stderr

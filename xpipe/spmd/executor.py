@@ -14,6 +14,9 @@ by the backward of that replication: one all-reduce per weight per step.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from functools import partial
+
 import torch
 import torch_xla.distributed.spmd as xs
 from torch import nn
@@ -61,8 +64,7 @@ class SpmdPipeline(nn.Module):
         self.block_names = [name for name, _ in stacked.blocks[0].named_parameters()]
         self._template = [stacked.blocks[0]]  # kept out of the module tree: its weights are not ours
         self.body = _stack_blocks(stacked.blocks, self.per_stage, self.depth, device, mesh)
-        self._ticks = {True: make_tick(self.stages, self.data, self._recomputed_stages),
-                       False: make_tick(self.stages, self.data, self._run_stages)}
+        self._ticks: dict[tuple[bool, tuple[int, ...]], Callable] = {}
 
     def block_slot(self, block: int) -> tuple[int, int]:
         """The (stage, slot) that holds block ``block`` of the body."""
@@ -80,15 +82,14 @@ class SpmdPipeline(nn.Module):
         flat = [self._shard_batch(to_slots(x.to(device), layout, microbatch_dim)) for x in inputs]
         with ShardableOps():
             stream, *skips = _as_tuple(self.pre(*flat))
-        self._features = tuple(stream.shape[1:])
         # Features flattened: torch_xla shards tensors of at most 5 dims.
         slots = self._shard_batch(stream.reshape(self.stages * self.data, layout.slots, layout.rows, -1))
-        finished = self._run_clocks(slots, layout)
+        finished = self._run_clocks(slots, layout, tuple(stream.shape[1:]))
         with ShardableOps():
             output = self.post(finished.reshape(stream.shape), *skips)
         return tree_map(lambda y: from_slots(y, layout, microbatch_dim), output)
 
-    def _run_clocks(self, slots: torch.Tensor, layout: Layout) -> torch.Tensor:
+    def _run_clocks(self, slots: torch.Tensor, layout: Layout, features: tuple[int, ...]) -> torch.Tensor:
         inputs, outputs = (torch.tensor(t, device=slots.device) for t in column_tables(
             gpipe(self.stages, layout.padded_chunks), layout))
         state = self._shard_batch(slots.new_zeros(slots.shape[0], *slots.shape[2:]))
@@ -100,26 +101,36 @@ class SpmdPipeline(nn.Module):
         plain_from = {"always": len(inputs), "never": 0, "except_last": layout.padded_chunks - 1}[self.checkpoint]
         for start, end, recomputed in ((0, plain_from, True), (plain_from, len(inputs), False)):
             if end > start:
-                carry, _ = scan(self._ticks[recomputed], carry, (inputs[start:end], outputs[start:end]),
+                carry, _ = scan(self._tick(recomputed, features), carry, (inputs[start:end], outputs[start:end]),
                                 is_fn_pure=True)
         return carry[2]
 
-    def _run_stages(self, weights: tuple[torch.Tensor, ...], valid: torch.Tensor,
+    def _tick(self, recomputed: bool, features: tuple[int, ...]) -> Callable:
+        """The loop body for one feature shape; kept, so that scan's trace cache finds it again."""
+        key = (recomputed, features)
+        if key not in self._ticks:
+            run = partial(self._run_stages, features)
+            stages = partial(self._recomputed_stages, run) if recomputed else run
+            self._ticks[key] = make_tick(self.stages, self.data, stages)
+        return self._ticks[key]
+
+    def _run_stages(self, features: tuple[int, ...], weights: tuple[torch.Tensor, ...], valid: torch.Tensor,
                     state: torch.Tensor) -> torch.Tensor:
         """All stages on all data replicas at once: ``[S * D, rows, F] -> same``."""
-        return torch.vmap(self._run_one_stage)(weights, valid, state)
+        return torch.vmap(partial(self._run_one_stage, features))(weights, valid, state)
 
-    def _recomputed_stages(self, weights: tuple[torch.Tensor, ...], valid: torch.Tensor,
+    @staticmethod
+    def _recomputed_stages(run: Callable, weights: tuple[torch.Tensor, ...], valid: torch.Tensor,
                            state: torch.Tensor) -> torch.Tensor:
-        return recompute(lambda v, s, *w: self._run_stages(w, v, s), valid, state, *weights)
+        return recompute(lambda v, s, *w: run(w, v, s), valid, state, *weights)
 
-    def _run_one_stage(self, weights: tuple[torch.Tensor, ...], valid: torch.Tensor,
+    def _run_one_stage(self, features: tuple[int, ...], weights: tuple[torch.Tensor, ...], valid: torch.Tensor,
                        x: torch.Tensor) -> torch.Tensor:
         """One stage's ``K`` block slots on one replica; empty slots pass ``x`` through.
 
-        ``x`` is ``[rows, features]`` flattened, each weight ``[K, numel]``.
+        ``x`` is ``[rows, F]`` (the features flattened), each weight ``[K, numel]``.
         """
-        x = x.view(x.shape[0], *self._features)
+        x = x.view(x.shape[0], *features)
         for slot in range(self.depth):
             params = {name: w[slot].view(shape)
                       for name, w, shape in zip(self.block_names, weights, self.body.shapes)}

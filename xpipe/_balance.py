@@ -13,6 +13,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from xpipe._checks import check_positive_int
+
 
 def balance_by_cost(
     costs: Sequence[float], stages: int, *, entry_costs: Sequence[float] | None = None
@@ -71,8 +73,7 @@ def _checked_costs(costs: Sequence[float], name: str) -> np.ndarray:
 
 
 def _check_stages(stages: int, layers: int) -> None:
-    if not isinstance(stages, int) or stages < 1:
-        raise ValueError(f"stages: must be a positive integer, got {stages!r}")
+    check_positive_int(stages, "stages")
     if stages > layers:
         raise ValueError(
             f"stages: {stages} stages need at least {stages} layers, but there are only "

@@ -11,6 +11,8 @@ import torch_xla
 import torch_xla.distributed.spmd as xs
 import torch_xla.runtime as xr
 
+from xpipe._checks import check_positive_int
+
 AXES = ("data", "stage")
 _autograd_warmed = False
 
@@ -51,8 +53,7 @@ def make_mesh(stages: int, data: int | None = None) -> xs.Mesh:
     """
     spmd_device()
     devices = xr.global_runtime_device_count()
-    if isinstance(stages, bool) or not isinstance(stages, int) or stages < 1:
-        raise ValueError(f"stages: must be a positive integer, got {stages!r}")
+    check_positive_int(stages, "stages")
     if data is None:
         data = devices // stages
     if data < 1 or data * stages != devices:

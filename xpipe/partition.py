@@ -18,6 +18,7 @@ import numpy as np
 from torch import nn
 
 from xpipe._balance import balance_by_cost, stage_costs
+from xpipe._checks import check_positive_int
 from xpipe._format import human
 from xpipe.graph import OUTPUT, layer_names, module_graph
 
@@ -192,8 +193,7 @@ def _check_arguments(
         stages = len(balance)
     if stages is None:
         raise ValueError("stages: give the number of stages, or balance=[layers per stage]")
-    if isinstance(stages, bool) or not isinstance(stages, int) or stages < 1:
-        raise ValueError(f"stages: must be a positive integer, got {stages!r}")
+    check_positive_int(stages, "stages")
     return stages
 
 

@@ -18,6 +18,7 @@ import torch_xla.distributed.spmd as xs
 import torch_xla.runtime as xr
 from torch import nn
 
+from xpipe._checks import check_positive_int
 from xpipe.checkpoint import check_mode
 from xpipe.mesh import make_mesh, spmd_device
 from xpipe.partition import Partition, partition
@@ -68,7 +69,7 @@ class Pipe(nn.Module):
         executor: str = "auto",
     ) -> None:
         super().__init__()
-        _check_positive_int(chunks, "chunks")
+        check_positive_int(chunks, "chunks")
         self.checkpoint = check_mode(checkpoint)
         if executor not in EXECUTORS:
             raise ValueError(f"executor: {executor!r} is not an executor; use one of {', '.join(EXECUTORS)}")
@@ -146,11 +147,6 @@ class Pipe(nn.Module):
             stage, slot = self.runner.block_slot(block)
             return self.runner.body.slot(index, stage, slot)
         return source.state_dict(keep_vars=True)[key]
-
-
-def _check_positive_int(value: object, name: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name}: must be a positive integer, got {value!r}")
 
 
 def _resolve_mesh(mesh: xs.Mesh | None, stages: int | None, balance: Sequence[int] | None) -> xs.Mesh:

@@ -18,6 +18,8 @@ import re
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from xpipe._checks import check_positive_int
+
 FORWARD = "F"
 BACKWARD = "B"
 
@@ -136,7 +138,8 @@ def gpipe(stages: int, chunks: int) -> Schedule:
     starts on the last stage with the last microbatch. The bubble fraction is
     ``(stages - 1) / (chunks + stages - 1)``.
     """
-    _check_positive(stages=stages, chunks=chunks)
+    check_positive_int(stages, "stages")
+    check_positive_int(chunks, "chunks")
     span = chunks + stages - 1
     table = []
     for clock in range(span):
@@ -159,9 +162,3 @@ def by_name(name: str, stages: int, chunks: int) -> Schedule:
 
 def _maybe(stage: int, kind: str, microbatch: int, chunks: int) -> Action | None:
     return Action(stage, kind, microbatch) if 0 <= microbatch < chunks else None
-
-
-def _check_positive(**values: int) -> None:
-    for name, value in values.items():
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name}: must be a positive integer, got {value!r}")

@@ -26,8 +26,8 @@ from torch_xla.experimental.scan import scan
 
 from xpipe.checkpoint import recompute
 from xpipe.schedule import gpipe
-from xpipe.spmd.lowering import ShardableOps
 from xpipe.spmd.conveyor import Layout, column_tables, from_slots, make_layout, make_tick, to_slots
+from xpipe.spmd.lowering import ShardableOps
 from xpipe.spmd.stacking import StackedModel
 
 BATCH_AXES = ("stage", "data")  # a batch dim sharded over the whole mesh, stage-major

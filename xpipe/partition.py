@@ -171,7 +171,7 @@ def partition(
     stages = _check_arguments(stages, cost, balance, sample_input)
     graph = module_graph(module, sample_input, measure_time=cost == "time")
     names = layer_names(graph)
-    layer_costs = [float(_layer_cost(graph.nodes[name], cost)) for name in names]
+    layer_costs = [float(layer_cost(graph.nodes[name], cost)) for name in names]
     entry = _entry_bytes(graph) if cost == "memory" else None
     if balance is None:
         balance = balance_by_cost(layer_costs, stages, entry_costs=entry)
@@ -207,14 +207,17 @@ def _check_balance(balance: Sequence[int], layers: int) -> None:
         )
 
 
-def _layer_cost(node: dict[str, Any], cost: str) -> float:
+def layer_cost(node: dict[str, Any], cost: str) -> float:
+    """One layer's cost under ``cost``, from its graph attributes; ``"memory"`` is weights
+    and gradients plus saved activations (0 without a sample input; what crosses a cut is
+    added per stage)."""
     if cost == "params":
         return node["params"]
     if cost == "flops":
         return node["flops"]
     if cost == "time":
         return node["time_s"]
-    return 2 * node["param_bytes"] + node["activation_bytes"]
+    return 2 * node["param_bytes"] + node.get("activation_bytes", 0)
 
 
 def _last_use(graph: nx.DiGraph, position: dict[str, int]) -> dict[str, dict[str, int]]:

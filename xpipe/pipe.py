@@ -132,10 +132,8 @@ class Pipe(nn.Module):
         grads: dict[str, torch.Tensor | None] = {}
         for key, source in self._state_sources.items():
             if isinstance(source, tuple):
-                index, block = source
-                stacked = self.runner.body.weights[index].grad
-                stage, slot = self.runner.block_slot(block)
-                grads[key] = None if stacked is None else stacked[stage, slot].view(self.runner.body.shapes[index])
+                stacked = self.runner.body.weights[source[0]].grad
+                grads[key] = None if stacked is None else self._unstacked(stacked, *source)
             elif isinstance(tensor := source.state_dict(keep_vars=True)[key], nn.Parameter):
                 grads[key] = tensor.grad
         return grads
@@ -143,10 +141,13 @@ class Pipe(nn.Module):
     def _state_tensor(self, key: str) -> torch.Tensor:
         source = self._state_sources[key]
         if isinstance(source, tuple):
-            index, block = source
-            stage, slot = self.runner.block_slot(block)
-            return self.runner.body.slot(index, stage, slot)
+            return self._unstacked(self.runner.body.weights[source[0]], *source)
         return source.state_dict(keep_vars=True)[key]
+
+    def _unstacked(self, stacked: torch.Tensor, index: int, block: int) -> torch.Tensor:
+        """Block ``block``'s part of a stacked ``[S, K, numel]`` tensor (weight ``index``, or its grad)."""
+        stage, slot = self.runner.block_slot(block)
+        return stacked[stage, slot].view(self.runner.body.shapes[index])
 
 
 def _resolve_mesh(mesh: xs.Mesh | None, stages: int | None, balance: Sequence[int] | None) -> xs.Mesh:

@@ -31,7 +31,7 @@ from matplotlib.patches import FancyArrowPatch, Rectangle  # noqa: E402
 from matplotlib.ticker import MaxNLocator  # noqa: E402
 
 from xpipe._format import human  # noqa: E402
-from xpipe.partition import Partition  # noqa: E402
+from xpipe.partition import Partition, layer_cost  # noqa: E402
 from xpipe.schedule import FORWARD, Schedule  # noqa: E402
 
 FORMATS = ("svg", "png", "html")
@@ -62,9 +62,8 @@ def stage_summary(partition: Partition) -> list[dict[str, float]]:
     rows = []
     for stage, names in enumerate(partition.stages):
         nodes = [partition.graph.nodes[name] for name in names]
-        row = {key: float(sum(node.get(key, 0) for node in nodes))
-               for key in ("params", "param_bytes", "flops", "activation_bytes")}
-        row["memory"] = 2 * row["param_bytes"] + row["activation_bytes"] + received[stage]
+        row = {key: float(sum(node.get(key, 0) for node in nodes)) for key in ("params", "flops", "activation_bytes")}
+        row["memory"] = sum(layer_cost(node, "memory") for node in nodes) + received[stage]
         rows.append(row)
     return rows
 

@@ -162,8 +162,8 @@ class SpmdPipeline(nn.Module):
 class StackedWeights(nn.Module):
     """The body's parameters, one ``[S, K, numel]`` tensor per block parameter.
 
-    Flattened because torch_xla shards tensors of at most 5 dims; ``slot(i, s, k)``
-    gives block parameter ``i`` of stage ``s``, slot ``k`` in its own shape.
+    Flattened because torch_xla shards tensors of at most 5 dims; ``shapes`` keeps
+    each block parameter's own shape.
     """
 
     def __init__(self, names: list[str], shapes: list[torch.Size], tensors: list[torch.Tensor]) -> None:
@@ -176,9 +176,6 @@ class StackedWeights(nn.Module):
     @property
     def weights(self) -> list[nn.Parameter]:
         return [getattr(self, _attribute(name)) for name in self.names]
-
-    def slot(self, index: int, stage: int, slot: int) -> torch.Tensor:
-        return self.weights[index][stage, slot].view(self.shapes[index])
 
 
 def _attribute(name: str) -> str:

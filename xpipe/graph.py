@@ -81,6 +81,35 @@ def trace_layers(module: nn.Module) -> tuple[torch.fx.GraphModule, dict[torch.fx
     return traced, _assign_layers(traced)
 
 
+def extract_module(
+    traced: torch.fx.GraphModule,
+    inputs: list[torch.fx.Node],
+    members: list[torch.fx.Node],
+    outputs: list[torch.fx.Node] | None,
+    name: str,
+    *,
+    output: torch.fx.Node | None = None,
+) -> torch.fx.GraphModule:
+    """A module that runs ``members`` of a trace, taking ``inputs`` as its arguments.
+
+    It returns ``outputs`` (one value, or a tuple of several) or, when ``output``
+    (the trace's output node) is given, what the model returns. Its submodules and
+    parameters are the original objects, not copies: the executors cut a model
+    into pieces this way and train the pieces in place.
+    """
+    graph = torch.fx.Graph()
+    env: dict[torch.fx.Node, torch.fx.Node] = {}
+    for node in inputs:
+        env[node] = graph.placeholder(node.name)
+    for node in members:
+        env[node] = graph.node_copy(node, lambda n: env[n])
+    if output is not None:
+        graph.output(torch.fx.map_arg(output.args[0], lambda n: env[n]))
+    else:
+        graph.output(env[outputs[0]] if len(outputs) == 1 else tuple(env[n] for n in outputs))
+    return torch.fx.GraphModule(traced, graph, class_name=name)
+
+
 def layer_names(graph: nx.DiGraph) -> list[str]:
     """Names of the layers of ``graph``, in execution order."""
     return list(graph.graph["layers"])

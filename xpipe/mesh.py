@@ -12,27 +12,21 @@ import torch_xla.distributed.spmd as xs
 import torch_xla.runtime as xr
 
 from xpipe._checks import check_positive_int
+from xpipe._xla import warm_autograd
 
 AXES = ("data", "stage")
-_autograd_warmed = False
 
 
 def spmd_device() -> torch.device:
     """The XLA device of SPMD mode, switching the process into it on first use.
 
     SPMD mode is process-wide and must come before the first XLA tensor. It also
-    runs one tiny XLA backward: a CPU ``backward()`` that runs before the process's
-    first XLA one otherwise breaks every later XLA backward (an internal assert in
-    autograd's device queues), and users compute CPU references all the time.
+    runs autograd's first XLA backward (``xpipe._xla.warm_autograd``).
     """
-    global _autograd_warmed
     if not xr.is_spmd():
         xr.use_spmd()
     device = torch_xla.device()
-    if not _autograd_warmed:
-        probe = torch.zeros(1, device=device, requires_grad=True)
-        (probe * 2).sum().backward()  # a bare probe.sum() does not set the queues up
-        _autograd_warmed = True
+    warm_autograd(device)
     return device
 
 

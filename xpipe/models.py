@@ -122,3 +122,76 @@ def small_cnn(classes: int = 10) -> nn.Sequential:
         nn.Conv2d(32, 64, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1),
         nn.Flatten(), nn.Linear(64, classes),
     )
+
+
+class ResidualBlock(nn.Module):
+    """A ResNet basic block with GroupNorm; ``stride`` 2 halves the resolution and
+    the shortcut is then a strided 1x1 convolution. ``[b, i, h, w] -> [b, o, h/s, w/s]``."""
+
+    def __init__(self, inputs: int, outputs: int, stride: int = 1) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(inputs, outputs, 3, stride=stride, padding=1, bias=False)
+        self.norm1 = nn.GroupNorm(4, outputs)
+        self.conv2 = nn.Conv2d(outputs, outputs, 3, padding=1, bias=False)
+        self.norm2 = nn.GroupNorm(4, outputs)
+        reshape = stride != 1 or inputs != outputs
+        self.shortcut = nn.Conv2d(inputs, outputs, 1, stride=stride, bias=False) if reshape else nn.Identity()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.relu(self.norm1(self.conv1(x)))
+        return torch.relu(self.norm2(self.conv2(y)) + self.shortcut(x))
+
+
+def resnet_like(widths: tuple[int, ...] = (8, 16, 32, 64), classes: int = 10) -> nn.Sequential:
+    """A small ResNet: a stem, two residual blocks per width (each width after the
+    first starts at half the resolution), pooling and a linear head.
+    GroupNorm instead of BatchNorm, so a microbatch computes what the whole batch
+    would. ``[b, 3, h, w] -> [b, classes]``."""
+    torch.manual_seed(0)
+    layers: list[nn.Module] = [nn.Conv2d(3, widths[0], 3, padding=1, bias=False)]
+    for index, width in enumerate(widths):
+        previous = widths[max(index - 1, 0)]
+        layers += [ResidualBlock(previous, width, stride=1 if index == 0 else 2), ResidualBlock(width, width)]
+    layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(widths[-1], classes)]
+    return nn.Sequential(*layers)
+
+
+def _conv_block(inputs: int, outputs: int) -> nn.Sequential:
+    return nn.Sequential(nn.Conv2d(inputs, outputs, 3, padding=1), nn.GroupNorm(4, outputs), nn.ReLU())
+
+
+class UNet(nn.Module):
+    """A small U-Net: each encoder level's output is concatenated into the decoder
+    level of the same resolution, so its skip connections jump over the middle of
+    the model. ``[b, channels, h, w] -> [b, classes, h, w]``, ``h`` and ``w``
+    divisible by ``2 ** levels``."""
+
+    def __init__(self, channels: int = 3, classes: int = 2, width: int = 8, levels: int = 3) -> None:
+        super().__init__()
+        widths = [width * 2**level for level in range(levels + 1)]
+        self.encoders = nn.ModuleList(
+            _conv_block(channels if level == 0 else widths[level - 1], widths[level]) for level in range(levels))
+        self.pool = nn.MaxPool2d(2)
+        self.middle = _conv_block(widths[levels - 1], widths[levels])
+        self.ups = nn.ModuleList(
+            nn.ConvTranspose2d(widths[level + 1], widths[level], 2, stride=2) for level in reversed(range(levels)))
+        self.decoders = nn.ModuleList(
+            _conv_block(2 * widths[level], widths[level]) for level in reversed(range(levels)))
+        self.head = nn.Conv2d(widths[0], classes, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        skips = []
+        for encoder in self.encoders:
+            x = encoder(x)
+            skips.append(x)
+            x = self.pool(x)
+        x = self.middle(x)
+        for up, decoder, skip in zip(self.ups, self.decoders, reversed(skips)):
+            x = decoder(torch.cat([up(x), skip], 1))
+        return self.head(x)
+
+
+def unet(width: int = 8, levels: int = 3) -> UNet:
+    """A :class:`UNet` with fixed initial weights."""
+    torch.manual_seed(0)
+    return UNet(width=width, levels=levels)

@@ -4,8 +4,12 @@
     pipe = xpipe.Pipe(model, chunks=8, mesh=mesh)
     optimizer = torch.optim.AdamW(pipe.parameters())
     for tokens, targets in batches:
-        loss = F.cross_entropy(pipe(tokens).flatten(0, 1), targets.flatten().to(device))
+        loss = F.cross_entropy(pipe(tokens).flatten(0, 1), targets.flatten().to(pipe.devices[-1]))
         loss.backward(); optimizer.step(); optimizer.zero_grad(); torch_xla.sync()
+
+The spmd executor (``xpipe.spmd``) runs models with a run of identical blocks as one
+SPMD program; the devices executor (``xpipe.devices``) runs any model, one XLA
+device per stage.
 """
 
 from __future__ import annotations
@@ -14,12 +18,16 @@ from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 
 import torch
+import torch_xla
 import torch_xla.distributed.spmd as xs
 import torch_xla.runtime as xr
 from torch import nn
 
 from xpipe._checks import check_positive_int
+from xpipe._xla import move_keeping_ties, warm_autograd
 from xpipe.checkpoint import check_mode
+from xpipe.devices.executor import DevicesPipeline
+from xpipe.devices.stages import StagedModel, cut_into_stages
 from xpipe.mesh import make_mesh, spmd_device
 from xpipe.partition import Partition, partition
 from xpipe.schedule import Schedule, by_name
@@ -33,23 +41,30 @@ class Pipe(nn.Module):
     """A model run as a GPipe pipeline on XLA devices.
 
     Args:
-        module: the model. Pipe takes it over: its layers move to the XLA device.
+        module: the model. Pipe takes it over: its layers move to the XLA device(s).
         chunks: microbatches per step; the batch is split into this many.
         stages: pipeline stages; defaults to the mesh's "stage" size, or
             ``len(balance)``, or the device count.
         balance: layers per stage, as ``xpipe.partition`` takes it. The spmd
             executor spreads the repeated blocks evenly over the stages, so a
-            balance other than that split is an error there.
-        mesh: a ``("data", "stage")`` mesh; defaults to ``xpipe.make_mesh(stages)``.
+            balance other than that split is an error there; the devices
+            executor takes any balance.
+        mesh: a ``("data", "stage")`` mesh for the spmd executor; defaults to
+            ``xpipe.make_mesh(stages)``.
         schedule: the schedule's name (``"gpipe"``).
         checkpoint: ``"always"``, ``"except_last"`` or ``"never"``: which
             microbatches recompute their stage activations in the backward pass.
-        executor: ``"spmd"``, ``"devices"`` or ``"auto"`` (spmd where the model
-            has a stackable run of identical blocks).
+        executor: ``"spmd"`` (one SPMD program over the mesh), ``"devices"`` (one
+            XLA device per stage, any model) or ``"auto"``: spmd when a mesh is
+            given, the process is already in SPMD mode, or the model has a
+            stackable run of at least one identical block per stage; devices
+            otherwise.
 
     Attributes:
         partition: the :class:`xpipe.Partition` in use.
         schedule: the :class:`xpipe.schedule.Schedule` of one step.
+        executor: ``"spmd"`` or ``"devices"``, the one chosen.
+        devices: the XLA devices in use, in stage order; the output is on ``devices[-1]``.
 
     Calling ``pipe(x)`` with ``x`` batch-first (a tensor, or a tuple of tensors)
     returns what ``module(x)`` returns, batch-first; ``pipe(x, microbatch_dim=d)``
@@ -71,24 +86,48 @@ class Pipe(nn.Module):
         super().__init__()
         check_positive_int(chunks, "chunks")
         self.checkpoint = check_mode(checkpoint)
-        if executor not in EXECUTORS:
-            raise ValueError(f"executor: {executor!r} is not an executor; use one of {', '.join(EXECUTORS)}")
-        if executor == "devices":
-            raise ValueError("executor: the 'devices' executor (one XLA device per stage) is not built yet; "
-                             "use executor='spmd' with a model that has a run of identical blocks")
+        self.chunks = chunks
+        self.executor = _choose_executor(executor, module, mesh, stages, balance)
+        self._original_keys = list(module.state_dict(keep_vars=True))
+        if self.executor == "spmd":
+            self._build_spmd(module, balance, mesh, stages, schedule)
+        else:
+            self._build_devices(module, balance, mesh, stages, schedule)
+
+    def _build_spmd(self, module: nn.Module, balance: Sequence[int] | None, mesh: xs.Mesh | None,
+                    stages: int | None, schedule: str) -> None:
         device = spmd_device()
         self.mesh = _resolve_mesh(mesh, stages, balance)
         stages = self.mesh.mesh_shape[1]
-        self.chunks = chunks
-        self.schedule: Schedule = by_name(schedule, stages, chunks)
+        self.schedule: Schedule = by_name(schedule, stages, self.chunks)
         plan = partition(module, stages)
         stacked = cut_for_stacking(module, plan)
         self.partition: Partition = _spmd_partition(module, plan, spread(len(stacked.blocks), stages), balance)
-        self.executor = "spmd"
-        self._original_keys = list(module.state_dict(keep_vars=True))
+        self.devices = [device]
         self._state_sources = _state_sources(stacked, self._original_keys)
-        _move_keeping_ties([stacked.pre, stacked.post], device)
-        self.runner = SpmdPipeline(stacked, self.mesh, chunks, checkpoint, device)
+        move_keeping_ties([stacked.pre, stacked.post], device)
+        self.runner = SpmdPipeline(stacked, self.mesh, self.chunks, self.checkpoint, device)
+
+    def _build_devices(self, module: nn.Module, balance: Sequence[int] | None, mesh: xs.Mesh | None,
+                       stages: int | None, schedule: str) -> None:
+        if mesh is not None:
+            raise ValueError("mesh: the devices executor puts one stage on each XLA device and takes no mesh; "
+                             "leave mesh out, or use executor='spmd'")
+        if xr.is_spmd():
+            raise ValueError("executor: this process is in SPMD mode, where the 'devices' executor cannot run; "
+                             "use executor='spmd', or run the devices executor in a process without SPMD")
+        stages = _stage_count(stages, balance, xr.global_runtime_device_count())
+        self.mesh = None
+        self.schedule = by_name(schedule, stages, self.chunks)
+        self.partition = partition(module, stages, balance=balance)
+        staged = cut_into_stages(module, self.partition)
+        _check_no_ties_across_stages(staged)
+        self.devices = [torch_xla.device(index) for index in range(stages)]
+        warm_autograd(self.devices[0])
+        for program, device in zip(staged.stages, self.devices):
+            move_keeping_ties([program.module], device)
+        self._state_sources = dict.fromkeys(self._original_keys, module)
+        self.runner = DevicesPipeline(staged, self.devices, self.schedule, self.checkpoint)
 
     def forward(self, *inputs: torch.Tensor, microbatch_dim: int | None = None):
         if len(inputs) == 1 and isinstance(inputs[0], (tuple, list)):
@@ -150,10 +189,59 @@ class Pipe(nn.Module):
         return stacked[stage, slot].view(self.runner.body.shapes[index])
 
 
-def _resolve_mesh(mesh: xs.Mesh | None, stages: int | None, balance: Sequence[int] | None) -> xs.Mesh:
+def _choose_executor(executor: str, module: nn.Module, mesh: xs.Mesh | None, stages: int | None,
+                     balance: Sequence[int] | None) -> str:
+    """``executor``, with ``"auto"`` resolved: spmd for a mesh, an SPMD process or a
+    model with a stackable run of at least one identical block per stage; devices
+    otherwise."""
+    if executor not in EXECUTORS:
+        raise ValueError(f"executor: {executor!r} is not an executor; use one of {', '.join(EXECUTORS)}")
+    if executor != "auto":
+        return executor
+    if mesh is not None or xr.is_spmd():
+        return "spmd"
+    requested = _requested_stages(stages, balance)
+    stages = xr.global_runtime_device_count() if requested is None else requested
+    try:
+        stacked = cut_for_stacking(module, partition(module, 1))
+    except ValueError:
+        return "devices"
+    return "spmd" if len(stacked.blocks) >= stages else "devices"
+
+
+def _requested_stages(stages: int | None, balance: Sequence[int] | None) -> int | None:
+    """The stage count that ``stages`` or ``balance`` asks for, if either does."""
     if balance is not None and stages is not None and len(balance) != stages:
         raise ValueError(f"balance: has {len(balance)} stages but stages={stages}; make them agree")
-    stages = stages if stages is not None else (len(balance) if balance is not None else None)
+    return stages if stages is not None else (len(balance) if balance is not None else None)
+
+
+def _stage_count(stages: int | None, balance: Sequence[int] | None, devices: int) -> int:
+    requested = _requested_stages(stages, balance)
+    stages = devices if requested is None else requested
+    check_positive_int(stages, "stages")
+    if stages > devices:
+        raise ValueError(f"stages: {stages} stages need {stages} XLA devices, but there are {devices}; "
+                         f"use at most {devices} stages")
+    return stages
+
+
+def _check_no_ties_across_stages(staged: StagedModel) -> None:
+    """The devices executor keeps one copy of each weight, on its stage's device."""
+    owner: dict[int, int] = {}
+    names = {}
+    for stage, program in enumerate(staged.stages):
+        for name, parameter in program.module.named_parameters():
+            if owner.setdefault(id(parameter), stage) != stage:
+                raise ValueError(
+                    f"module: parameter {name!r} is used in stage {stage} and also in stage {owner[id(parameter)]} "
+                    f"(as {names[id(parameter)]!r}); the devices executor keeps each weight on one device. "
+                    "Pass a balance that puts its users in one stage, or use executor='spmd'")
+            names.setdefault(id(parameter), name)
+
+
+def _resolve_mesh(mesh: xs.Mesh | None, stages: int | None, balance: Sequence[int] | None) -> xs.Mesh:
+    stages = _requested_stages(stages, balance)
     if mesh is None:
         return make_mesh(stages if stages is not None else xr.global_runtime_device_count())
     if tuple(mesh.axis_names) != ("data", "stage"):
@@ -179,26 +267,6 @@ def _spmd_partition(module: nn.Module, plan: Partition, per_stage: tuple[int, ..
         raise ValueError(f"balance: the spmd executor spreads the {repeated.count} blocks evenly, which gives "
                          f"balance={spmd_balance}; pass that or leave balance out")
     return partition(module, balance=spmd_balance)
-
-
-def _move_keeping_ties(modules: list[nn.Module], device: torch.device) -> None:
-    """Move parameters and buffers to ``device``, one new Parameter per original.
-
-    ``module.to(xla)`` makes a separate copy for every place a Parameter is held,
-    which unties tied weights (an LM's embedding and head); this keeps them one.
-    """
-    moved: dict[int, nn.Parameter] = {}
-    for module in modules:
-        for owner in module.modules():
-            for name, parameter in owner._parameters.items():
-                if parameter is not None:
-                    if id(parameter) not in moved:
-                        moved[id(parameter)] = nn.Parameter(parameter.detach().to(device),
-                                                            requires_grad=parameter.requires_grad)
-                    owner._parameters[name] = moved[id(parameter)]
-            for name, buffer in owner._buffers.items():
-                if buffer is not None:
-                    owner._buffers[name] = buffer.to(device)
 
 
 def _state_sources(stacked: StackedModel, keys: list[str]) -> dict[str, nn.Module | tuple[int, int]]:

@@ -2,17 +2,14 @@
 
 from __future__ import annotations
 
-import copy
-
 import torch
 import torch.nn.functional as F
-import torch_xla
+from equivalence import ATOL, RTOL, assert_pipe_matches
 
 import xpipe
 from xpipe.models import mlp_stack, transformer_lm
 
-# fp32 on both sides; the pipeline sums microbatch gradients in another order.
-RTOL, ATOL = 1e-4, 1e-5
+__all__ = ["ATOL", "RTOL", "assert_matches_reference", "batch_for", "loss_of", "tiny_lm", "tiny_mlp"]
 
 
 def tiny_lm(blocks: int = 8):
@@ -41,30 +38,7 @@ def loss_of(output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 def assert_matches_reference(model, *, stages: int, data: int, chunks: int, checkpoint: str = "except_last",
                              rows_per_replica: int = 1) -> xpipe.Pipe:
-    """Output, loss, every gradient and the weights after one SGD step equal the unpipelined model's."""
-    reference = copy.deepcopy(model)
-    pipe = xpipe.Pipe(model, chunks=chunks, mesh=xpipe.make_mesh(stages, data), checkpoint=checkpoint)
-    batch, targets = batch_for(reference, chunks * data * rows_per_replica)
-
-    expected = reference(batch)
-    expected_loss = loss_of(expected, targets)
-    expected_loss.backward()
-    torch.optim.SGD(reference.parameters(), lr=0.1).step()
-
-    device = torch_xla.device()
-    output = pipe(batch)
-    loss = loss_of(output, targets.to(device))
-    loss.backward()
-    torch_xla.sync()
-    torch.testing.assert_close(output.cpu(), expected.detach(), rtol=RTOL, atol=ATOL)
-    torch.testing.assert_close(loss.cpu(), expected_loss.detach(), rtol=RTOL, atol=ATOL)
-    gradients = pipe.named_gradients()
-    for name, parameter in reference.named_parameters(remove_duplicate=False):
-        torch.testing.assert_close(gradients[name].cpu(), parameter.grad, rtol=RTOL, atol=ATOL,
-                                   msg=lambda m, name=name: f"gradient of {name}: {m}")
-    torch.optim.SGD(pipe.parameters(), lr=0.1).step()
-    torch_xla.sync()
-    for name, value in pipe.state_dict().items():
-        torch.testing.assert_close(value.cpu(), reference.state_dict()[name], rtol=RTOL, atol=ATOL,
-                                   msg=lambda m, name=name: f"{name} after one step: {m}")
-    return pipe
+    """The spmd Pipe on a data x stages mesh equals the unpipelined model (``equivalence``)."""
+    batch, targets = batch_for(model, chunks * data * rows_per_replica)
+    return assert_pipe_matches(model, batch, targets, loss_of, chunks=chunks,
+                               mesh=xpipe.make_mesh(stages, data), checkpoint=checkpoint)

@@ -8,6 +8,7 @@ import torch_xla
 import torch_xla.debug.metrics as metrics
 
 import xpipe
+from xpipe.models import small_cnn
 from pipe_checks import ATOL, RTOL, batch_for, loss_of, tiny_lm, tiny_mlp
 
 
@@ -79,6 +80,10 @@ def test_bad_arguments_name_themselves(mesh):
         xpipe.Pipe(tiny_mlp(blocks=3), chunks=2, mesh=mesh)
     with pytest.raises(ValueError, match="stages: 2 does not match the mesh's 'stage' axis of 4"):
         xpipe.Pipe(tiny_mlp(), chunks=2, mesh=mesh, stages=2)
+    with pytest.raises(ValueError, match="executor: this process is in SPMD mode, where the 'devices' executor"):
+        xpipe.Pipe(small_cnn(), chunks=2, executor="devices")
+    with pytest.raises(ValueError, match="module: has no run of identical blocks"):
+        xpipe.Pipe(small_cnn(), chunks=2)  # auto: an SPMD process runs spmd
     with pytest.raises(ValueError, match=r"balance: the spmd executor spreads the 8 blocks evenly, which gives "
                                          r"balance=\[3, 2, 2, 3\]"):
         xpipe.Pipe(tiny_mlp(), chunks=2, mesh=mesh, balance=[1, 3, 3, 3])

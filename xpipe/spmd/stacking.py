@@ -14,7 +14,7 @@ import torch
 import torch.fx
 from torch import nn
 
-from xpipe.graph import trace_layers
+from xpipe.graph import extract_module, trace_layers
 from xpipe.partition import Partition
 
 PRE, POST = "pre", "post"
@@ -67,13 +67,13 @@ def cut_for_stacking(module: nn.Module, partition: Partition) -> StackedModel:
     skips = [n for n in nodes if segment_of[n] == PRE and any(segment_of[user] == POST for user in n.users)]
     placeholders = [n for n in nodes if n.op == "placeholder"]
     pre_nodes = [n for n in nodes if segment_of[n] == PRE and n.op != "placeholder"]
-    pre = _extract(traced, placeholders, pre_nodes, [streams[0], *skips], "Pre")
+    pre = extract_module(traced, placeholders, pre_nodes, [streams[0], *skips], "Pre")
     blocks = [
-        _extract(traced, [streams[j]], [n for n in nodes if segment_of[n] == j], [streams[j + 1]], "Block")
+        extract_module(traced, [streams[j]], [n for n in nodes if segment_of[n] == j], [streams[j + 1]], "Block")
         for j in range(repeated.count)
     ]
     post_nodes = [n for n in nodes if segment_of[n] == POST and n.op != "output"]
-    post = _extract(traced, [streams[-1], *skips], post_nodes, None, "Post", output=nodes[-1])
+    post = extract_module(traced, [streams[-1], *skips], post_nodes, None, "Post", output=nodes[-1])
     _check_alike(blocks)
     return StackedModel(pre, blocks, post)
 
@@ -101,29 +101,6 @@ def _block_streams(nodes: list[torch.fx.Node], segment_of: dict, count: int) -> 
             raise ValueError(f"module: the output of block {block} is used beyond the next block; "
                              "blocks must form a chain to be stacked")
     return streams
-
-
-def _extract(
-    traced: torch.fx.GraphModule,
-    inputs: list[torch.fx.Node],
-    members: list[torch.fx.Node],
-    outputs: list[torch.fx.Node] | None,
-    name: str,
-    *,
-    output: torch.fx.Node | None = None,
-) -> torch.fx.GraphModule:
-    """A module running ``members`` from ``inputs``; its submodules are the originals."""
-    graph = torch.fx.Graph()
-    env: dict[torch.fx.Node, torch.fx.Node] = {}
-    for node in inputs:
-        env[node] = graph.placeholder(node.name)
-    for node in members:
-        env[node] = graph.node_copy(node, lambda n: env[n])
-    if output is not None:
-        graph.output(torch.fx.map_arg(output.args[0], lambda n: env[n]))
-    else:
-        graph.output(env[outputs[0]] if len(outputs) == 1 else tuple(env[n] for n in outputs))
-    return torch.fx.GraphModule(traced, graph, class_name=name)
 
 
 def _check_alike(blocks: list[torch.fx.GraphModule]) -> None:

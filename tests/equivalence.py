@@ -1,0 +1,43 @@
+"""The numerical check every executor test uses: a Pipe against the same model unpipelined."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+
+import torch
+import torch_xla
+
+import xpipe
+
+# fp32 on both sides; the pipeline sums microbatch gradients in another order.
+RTOL, ATOL = 1e-4, 1e-5
+
+
+def assert_pipe_matches(model: torch.nn.Module, batch: torch.Tensor, targets: torch.Tensor,
+                        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], **pipe_options) -> xpipe.Pipe:
+    """Output, loss, every gradient and the weights after one SGD step equal the unpipelined model's."""
+    reference = copy.deepcopy(model)
+    pipe = xpipe.Pipe(model, **pipe_options)
+
+    expected = reference(batch)
+    expected_loss = loss_fn(expected, targets)
+    expected_loss.backward()
+    torch.optim.SGD(reference.parameters(), lr=0.1).step()
+
+    output = pipe(batch)
+    loss = loss_fn(output, targets.to(pipe.devices[-1]))
+    loss.backward()
+    torch_xla.sync()
+    torch.testing.assert_close(output.cpu(), expected.detach(), rtol=RTOL, atol=ATOL)
+    torch.testing.assert_close(loss.cpu(), expected_loss.detach(), rtol=RTOL, atol=ATOL)
+    gradients = pipe.named_gradients()
+    for name, parameter in reference.named_parameters(remove_duplicate=False):
+        torch.testing.assert_close(gradients[name].cpu(), parameter.grad, rtol=RTOL, atol=ATOL,
+                                   msg=lambda m, name=name: f"gradient of {name}: {m}")
+    torch.optim.SGD(pipe.parameters(), lr=0.1).step()
+    torch_xla.sync()
+    for name, value in pipe.state_dict().items():
+        torch.testing.assert_close(value.cpu(), reference.state_dict()[name], rtol=RTOL, atol=ATOL,
+                                   msg=lambda m, name=name: f"{name} after one step: {m}")
+    return pipe

@@ -1,0 +1,132 @@
+"""The devices executor (one XLA device per stage) equals the unpipelined model.
+
+Runs in the main, non-SPMD test process on its 8 emulated devices. Three models
+whose stages cannot be stacked: a ResNet-style CNN (every stage a different
+width), a U-Net (skip connections over two and three cuts) and an MLP cut
+unevenly; chunks in {1, 4, 8}, each checkpoint mode.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+import torch_xla
+import torch_xla.core.xla_model as xm
+import torch_xla.debug.metrics as metrics
+from equivalence import assert_pipe_matches
+
+import xpipe
+from xpipe.models import mlp_stack, resnet_like, small_cnn, transformer_lm, unet
+
+CASES = [(1, "never"), (4, "always"), (8, "except_last")]
+
+
+def images(rows: int, channels: int = 3, size: int = 16) -> torch.Tensor:
+    return torch.randn(rows, channels, size, size, generator=torch.Generator().manual_seed(rows))
+
+
+@pytest.mark.parametrize("chunks, checkpoint", CASES)
+def test_resnet_like_cnn_on_four_devices(chunks, checkpoint):
+    targets = torch.randint(0, 10, (8,), generator=torch.Generator().manual_seed(0))
+    pipe = assert_pipe_matches(resnet_like(), images(8), targets, F.cross_entropy, chunks=chunks, stages=4,
+                               executor="devices", checkpoint=checkpoint)
+    widths = [{tuple(p.shape) for p in module.parameters()} for module in pipe.runner.stage_modules]
+    assert len({frozenset(w) for w in widths}) == 4, "every stage holds differently shaped weights"
+    assert [str(d) for d in pipe.devices] == ["xla:0", "xla:1", "xla:2", "xla:3"]
+
+
+@pytest.mark.parametrize("chunks, checkpoint", CASES)
+def test_unet_skips_travel_straight_to_their_reader(chunks, checkpoint):
+    targets = torch.randn(8, 2, 16, 16, generator=torch.Generator().manual_seed(1))
+    pipe = assert_pipe_matches(unet(), images(8), targets, F.mse_loss, chunks=chunks, stages=4,
+                               executor="devices", checkpoint=checkpoint)
+    crossings = {c.name: c for cut in pipe.partition.boundaries for c in cut}
+    long_skips = [c for c in crossings.values() if c.last_stage - c.source_stage >= 2]
+    assert long_skips, "the partition should put some encoder and its decoder two or more stages apart"
+    stages = pipe.runner.staged.stages
+    for skip in long_skips:
+        assert skip.name in stages[skip.source_stage].outputs
+        assert skip.name in stages[skip.last_stage].inputs
+        for between in stages[skip.source_stage + 1 : skip.last_stage]:
+            assert skip.name not in between.inputs + between.outputs, "a skip is not relayed through other stages"
+    received = {name for program in stages[1:] for name in program.inputs}
+    assert received == set(crossings), "what the stages receive is what the partition says crosses a cut"
+
+
+@pytest.mark.parametrize("chunks, checkpoint", CASES)
+def test_mlp_with_uneven_balance(chunks, checkpoint):
+    generator = torch.Generator().manual_seed(2)
+    batch, targets = torch.randn(8, 8, generator=generator), torch.randn(8, 4, generator=generator)
+    pipe = assert_pipe_matches(mlp_stack(blocks=6, width=16, inputs=8, outputs=4), batch, targets, F.mse_loss,
+                               chunks=chunks, balance=[1, 3, 2, 2], executor="devices", checkpoint=checkpoint)
+    assert pipe.partition.balance == (1, 3, 2, 2)
+    assert [len(list(m.parameters())) for m in pipe.runner.stage_modules] == [2, 18, 12, 8]
+
+
+def test_five_training_steps_compile_once():
+    pipe = xpipe.Pipe(resnet_like(), chunks=4, stages=4)
+    assert pipe.executor == "devices", "auto: the 2 identical blocks of the first width are fewer than 4 stages"
+    optimizer = torch.optim.SGD(pipe.parameters(), lr=0.1)
+    targets = torch.randint(0, 10, (8,), generator=torch.Generator().manual_seed(0)).to(pipe.devices[-1])
+    compiles, losses = [], []
+    for _ in range(5):
+        loss = F.cross_entropy(pipe(images(8)), targets)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        torch_xla.sync()
+        losses.append(loss.item())
+        compiles.append(metrics.metric_data("CompileTime")[0])
+    assert compiles[1:] == [compiles[0]] * 4, f"compiles after each step: {compiles}"
+    assert losses[-1] < losses[0]
+
+
+def test_state_dict_round_trip_and_output_layout():
+    model = small_cnn()
+    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    pipe = xpipe.Pipe(model, chunks=2, stages=4)
+    assert pipe.executor == "devices", "auto picks devices for a model with no repeated blocks"
+    assert {k: tuple(v.shape) for k, v in pipe.state_dict().items()} == expected
+    source = small_cnn(classes=10)
+    with torch.no_grad():
+        for parameter in source.parameters():
+            parameter.mul_(1.5)
+    pipe.load_state_dict(source.state_dict())
+    batch = torch.randn(8, 3, 32, 32)
+    output = pipe(batch)
+    assert output.device == pipe.devices[-1]
+    torch.testing.assert_close(output.cpu(), source(batch).detach(), rtol=1e-4, atol=1e-5)
+    loader_shaped = batch.view(2, 4, 3, 32, 32).transpose(0, 1)  # microbatches on dim 1
+    torch.testing.assert_close(pipe(loader_shaped, microbatch_dim=1).cpu(),
+                               source(batch).detach().view(2, 4, 10).transpose(0, 1), rtol=1e-4, atol=1e-5)
+
+
+def test_timeline_has_every_cell_in_dependency_order():
+    pipe = xpipe.Pipe(mlp_stack(blocks=6, width=16, inputs=8, outputs=4), chunks=4, balance=[1, 3, 2, 2],
+                      executor="devices")
+    pipe(torch.randn(8, 8)).sum().backward()
+    torch_xla.sync()
+    xm.wait_device_ops()
+    events = {(e.stage, e.kind, e.microbatch): e for e in pipe.runner.timeline}
+    assert len(events) == len(pipe.runner.timeline) == 2 * 4 * 4
+    for (stage, kind, microbatch), event in events.items():
+        assert event.launched <= event.ready
+        before = (stage - 1, "F", microbatch) if kind == "F" else (stage + 1, "B", microbatch)
+        if before in events:
+            assert events[before].ready <= event.launched, f"{before} must finish before {stage}{kind}{microbatch}"
+
+
+def test_bad_arguments_name_themselves():
+    with pytest.raises(ValueError, match="stages: 9 stages need 9 XLA devices, but there are 8"):
+        xpipe.Pipe(small_cnn(), chunks=2, stages=9, executor="devices")
+    with pytest.raises(ValueError, match="mesh: the devices executor .* takes no mesh"):
+        xpipe.Pipe(small_cnn(), chunks=2, mesh=object(), executor="devices")
+    with pytest.raises(ValueError, match="module: parameter 'head.weight' is used in stage 3 and also in stage 0"):
+        xpipe.Pipe(transformer_lm(blocks=2, width=16, heads=2, seq=8, vocab=32), chunks=2, stages=4,
+                   executor="devices")
+    pipe = xpipe.Pipe(small_cnn(), chunks=4, stages=2)
+    with pytest.raises(ValueError, match="chunks: a batch of 6 does not split into 4 equal microbatches"):
+        pipe(torch.zeros(6, 3, 32, 32))
+    with pytest.raises(ValueError, match="x: the devices executor does not differentiate"):
+        pipe(torch.zeros(8, 3, 32, 32, requires_grad=True))
+    with pytest.raises(TypeError, match=r"x: the model takes 1 inputs \(input_1\), got 2"):
+        pipe(torch.zeros(8, 3, 32, 32), torch.zeros(8))

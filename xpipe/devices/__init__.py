@@ -1,0 +1,1 @@
+"""The devices executor: one XLA device per stage, heterogeneous stages included."""

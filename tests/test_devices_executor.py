@@ -95,6 +95,10 @@ def test_state_dict_round_trip_and_output_layout():
     output = pipe(batch)
     assert output.device == pipe.devices[-1]
     torch.testing.assert_close(output.cpu(), source(batch).detach(), rtol=1e-4, atol=1e-5)
+    with torch.no_grad():
+        inferred = pipe(batch)
+    assert not inferred.requires_grad
+    torch.testing.assert_close(inferred.cpu(), source(batch).detach(), rtol=1e-4, atol=1e-5)
     loader_shaped = batch.view(2, 4, 3, 32, 32).transpose(0, 1)  # microbatches on dim 1
     torch.testing.assert_close(pipe(loader_shaped, microbatch_dim=1).cpu(),
                                source(batch).detach().view(2, 4, 10).transpose(0, 1), rtol=1e-4, atol=1e-5)

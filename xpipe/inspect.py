@@ -7,7 +7,7 @@ before the runtime starts, so the audit is two calls:
     ...
     report = xpipe.inspect.audit(lambda: train_step(batch))
     print(report)                              # kind, count, bytes, groups, in loop or not
-    report.count("all-gather")
+    report.count("all-gather"), report.peak_bytes
 
 :func:`collectives` parses HLO text on its own, for dumps made any other way.
 """
@@ -52,6 +52,7 @@ class CommunicationReport:
 
     ops: tuple[Collective, ...]
     program: str  # path of the HLO dump read
+    peak_bytes: int | None = None  # peak memory of one device, from XLA's buffer assignment
 
     def count(self, kind: str, *, in_loop: bool | None = None) -> int:
         """How many ``kind`` instructions, optionally only those in (or out of) loops."""
@@ -116,7 +117,7 @@ def audit(step: Callable[[], object]) -> CommunicationReport:
     del result
     if not new:
         raise RuntimeError("audit: the step compiled no new program (it was cached); audit a step's first run")
-    return CommunicationReport(tuple(collectives(Path(new[-1]).read_text())), new[-1])
+    return CommunicationReport(tuple(collectives(Path(new[-1]).read_text())), new[-1], _peak_bytes(new[-1]))
 
 
 def collectives(hlo: str) -> list[Collective]:
@@ -136,6 +137,15 @@ def collectives(hlo: str) -> list[Collective]:
             size = sum(_BYTES.get(dtype, 4) * int(np.prod(dims, dtype=np.int64)) for dtype, dims in shapes)
             found.append(Collective(match["kind"], shapes, size, _groups(line), computation, computation in bodies))
     return found
+
+
+def _peak_bytes(program: str) -> int | None:
+    """Peak device memory of ``program`` from the buffer assignment XLA dumps beside it."""
+    assignment = Path(program.replace("after_optimizations.txt", "after_optimizations-buffer-assignment.txt"))
+    if not assignment.exists():
+        return None
+    match = re.search(r"Stack trace breakdown for peak usage: ([\d ]+) bytes", assignment.read_text())
+    return int(match[1].replace(" ", "")) if match else None
 
 
 def _groups(line: str) -> tuple[tuple[int, ...], ...]:

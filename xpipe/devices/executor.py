@@ -77,6 +77,7 @@ class DevicesPipeline(nn.Module):
         self.backward_clocks = _cells_by_clock(schedule, BACKWARD)
         self.checkpoint = checkpoint
         self.timeline: list[Event] = []
+        self._flush_pending = False
 
     def stage_parameters(self, stage: int) -> list[nn.Parameter]:
         """The trainable parameters of ``stage``."""
@@ -85,9 +86,10 @@ class DevicesPipeline(nn.Module):
     def flush(self) -> None:
         """Launch whatever is pending on the stage devices (the last optimizer update).
 
-        ``torch_xla.sync()`` executes the default device only; every forward installs
-        this as a step closure, so the user's ``torch_xla.sync()`` updates every stage.
+        ``torch_xla.sync()`` executes the default device only; a forward installs this
+        as a step closure, so the user's ``torch_xla.sync()`` updates every stage.
         """
+        self._flush_pending = False
         for device in self.devices:
             torch_xla._XLAC._xla_step_marker(str(device), [], wait=False)
 
@@ -99,10 +101,13 @@ class DevicesPipeline(nn.Module):
             raise ValueError("x: the devices executor does not differentiate with respect to the model's "
                              "inputs; pass them detached (x.detach())")
         self.flush()
-        xm.add_step_closure(self.flush)
+        if not self._flush_pending:
+            xm.add_step_closure(self.flush)
+            self._flush_pending = True
         self.timeline = []
         split = [_split(x, self.chunks, microbatch_dim) for x in inputs]
-        step = _Step(self, [dict(zip(names, values)) for values in zip(*split)], microbatch_dim)
+        step = _Step(self, [dict(zip(names, values)) for values in zip(*split)], microbatch_dim,
+                     differentiating=torch.is_grad_enabled())
         parameters = [p for stage in range(len(self.devices)) for p in self.stage_parameters(stage)]
         leaves = _PipelineFunction.apply(step, *parameters)
         return tree_unflatten(list(leaves), step.output_spec)
@@ -118,8 +123,10 @@ class DevicesPipeline(nn.Module):
                     self._on_ready(tensors[0], action, launched)
 
     def _on_ready(self, tensor: torch.Tensor, action: Action, launched: float) -> None:
+        timeline = self.timeline  # this step's: the callback may come after the next step began
+
         def record() -> None:
-            self.timeline.append(Event(action.stage, action.kind, action.microbatch, launched, time.perf_counter()))
+            timeline.append(Event(action.stage, action.kind, action.microbatch, launched, time.perf_counter()))
 
         torch_xla._XLAC._on_ready_callback(tensor, record)
 
@@ -128,8 +135,9 @@ class _Step:
     """The state of one training step: values in flight, kept activations, gradients."""
 
     def __init__(self, pipeline: DevicesPipeline, microbatches: list[dict[str, torch.Tensor]],
-                 microbatch_dim: int | None) -> None:
+                 microbatch_dim: int | None, *, differentiating: bool) -> None:
         self.pipeline = pipeline
+        self.differentiating = differentiating  # False under torch.no_grad(): nothing to keep
         self.values = microbatches  # per microbatch: value name -> tensor, on the device that made it
         self.microbatch_dim = microbatch_dim
         self.made_by_stages = {name for p in pipeline.staged.stages for name in p.outputs}
@@ -144,6 +152,8 @@ class _Step:
     def keeps(self, microbatch: int) -> bool:
         """Whether ``microbatch`` keeps its activations instead of recomputing them."""
         mode = self.pipeline.checkpoint
+        if not self.differentiating:
+            return False
         return mode == "never" or (mode == "except_last" and microbatch == len(self.values) - 1)
 
     def forward_cell(self, action: Action) -> list[torch.Tensor]:
@@ -160,7 +170,8 @@ class _Step:
         else:
             with torch.no_grad():
                 out = program.module(*args)
-            self.kept[stage, microbatch] = (args, None)
+            if self.differentiating:
+                self.kept[stage, microbatch] = (args, None)
         if stage == len(self.pipeline.devices) - 1:
             leaves, self.output_spec = tree_flatten(out)
             self.outputs[microbatch] = leaves

@@ -11,8 +11,9 @@ waits for the value to be ready; a skip connection goes straight from the stage
 that makes it to each stage that reads it.
 
 Checkpointing follows GPipe: a recomputed microbatch keeps only its stage inputs
-and runs the stage again in the backward pass; a kept one has the activations
-autograd saves materialised on the device together with its outputs.
+(and the device's random-number state, so dropout repeats its mask) and runs the
+stage again in the backward pass; a kept one has the activations autograd saves
+materialised on the device together with its outputs.
 """
 
 from __future__ import annotations
@@ -141,6 +142,7 @@ class _Step:
         self.values = microbatches  # per microbatch: value name -> tensor, on the device that made it
         self.microbatch_dim = microbatch_dim
         self.made_by_stages = {name for p in pipeline.staged.stages for name in p.outputs}
+        # (stage, microbatch) -> (inputs, outputs) if kept, or (inputs, RNG seed) to recompute
         self.kept: dict[tuple[int, int], tuple[list[Any], Any]] = {}
         self.outputs: list[list[torch.Tensor]] = [[] for _ in microbatches]
         self.output_spec: TreeSpec | None = None
@@ -166,12 +168,12 @@ class _Step:
             args = [_differentiable(a) if n in self.made_by_stages else a for n, a in zip(program.inputs, args)]
             with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_collect_into(saved), _itself):
                 out = program.module(*args)
-            self.kept[stage, microbatch] = (args, out)
+            self.kept[stage, microbatch] = (args, _Kept(out))
         else:
+            if self.differentiating:
+                self.kept[stage, microbatch] = (args, xm.get_rng_state(device))
             with torch.no_grad():
                 out = program.module(*args)
-            if self.differentiating:
-                self.kept[stage, microbatch] = (args, None)
         if stage == len(self.pipeline.devices) - 1:
             leaves, self.output_spec = tree_flatten(out)
             self.outputs[microbatch] = leaves
@@ -184,10 +186,12 @@ class _Step:
         stage, microbatch = action.stage, action.microbatch
         program = self.pipeline.staged.stages[stage]
         device = self.pipeline.devices[stage]
-        args, out = self.kept.pop((stage, microbatch))
-        if out is None:
+        args, kept = self.kept.pop((stage, microbatch))
+        if isinstance(kept, _Kept):
+            out = kept.outputs
+        else:
             args = [_differentiable(a) if n in self.made_by_stages else a for n, a in zip(program.inputs, args)]
-            with torch.enable_grad(), _buffers_restored(program.module):
+            with torch.enable_grad(), _buffers_restored(program.module), _rng_replayed(device, kept):
                 out = program.module(*args)
         if stage == len(self.pipeline.devices) - 1:
             leaves, grads = tree_flatten(out)[0], self.output_grads[microbatch]
@@ -228,6 +232,12 @@ class _Step:
 
     def parameter_grads(self) -> list[torch.Tensor | None]:
         return [grad for totals in self.accumulated for grad in totals]
+
+
+class _Kept(NamedTuple):
+    """The outputs of a microbatch that keeps its activations (with their autograd graph)."""
+
+    outputs: Any
 
 
 class _PipelineFunction(torch.autograd.Function):
@@ -318,6 +328,18 @@ def _collect_into(saved: list[torch.Tensor]) -> Callable[[torch.Tensor], torch.T
 
 def _itself(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
+
+
+@contextlib.contextmanager
+def _rng_replayed(device: torch.device, seed: int) -> Iterator[None]:
+    """Run with ``device``'s random numbers as they were in the forward pass (dropout
+    draws the same mask again), then carry on from where the generator was."""
+    current = xm.get_rng_state(device)
+    xm.set_rng_state(seed, device)
+    try:
+        yield
+    finally:
+        xm.set_rng_state(current, device)
 
 
 @contextlib.contextmanager

@@ -15,8 +15,9 @@ is done:
 Overlap comes from the executor's timeline of one step: a cell's device is taken
 as busy from its launch (or the end of the device's previous cell, if later) until
 its output buffer was ready. Printed: the sum of busy time over the span in which
-any device was busy (1.0 = no overlap, 4.0 = all four always busy), and the share
-of busy time during which at least two devices were busy.
+any device was busy (1.0 = no overlap, 4.0 = all four always busy), the share of
+busy time during which at least two devices were busy, and how long any device
+was busy (the rest of the step is the host tracing, launching and moving data).
 
 On the CPU emulation the "devices" share this machine's cores, so overlap shows
 that work was in flight at once, not that it ran faster.
@@ -89,9 +90,9 @@ def torch_cpu_step(model: torch.nn.Module):
     return step
 
 
-def overlap(events: list[Event]) -> tuple[float, float]:
-    """(busy time summed over devices / span with any device busy, share of busy time
-    with two or more devices busy), from one step's timeline."""
+def overlap(events: list[Event]) -> tuple[float, float, float]:
+    """(busy time summed over devices / time with any device busy, share of busy time
+    with two or more devices busy, time with any device busy), from one step's timeline."""
     intervals = []
     for stage in {e.stage for e in events}:
         free = 0.0
@@ -109,7 +110,7 @@ def overlap(events: list[Event]) -> tuple[float, float]:
             busy_two += (moment - previous) * running
         running, previous = running + change, moment
     total = sum(e - s for s, e in intervals)
-    return total / busy_any, busy_two / total
+    return total / busy_any, busy_two / total, busy_any
 
 
 def main() -> None:
@@ -121,7 +122,7 @@ def main() -> None:
 
     xpipe_time = median_step(xla_step(pipe, pipe, pipe.devices[-1]))
     xm.wait_device_ops()
-    busy, shared = overlap(pipe.runner.timeline)
+    busy, shared, busy_any = overlap(pipe.runner.timeline)
 
     gpipe = GPipe(copy.deepcopy(model), balance=list(pipe.partition.balance), devices=["cpu"] * STAGES,
                   chunks=CHUNKS, checkpoint="except_last")
@@ -138,7 +139,8 @@ def main() -> None:
     print(f"  unpipelined, one XLA device              {single_time * 1e3:8.1f} ms   "
           f"xpipe / unpipelined = {xpipe_time / single_time:.2f}")
     print(f"overlap of one xpipe step ({len(pipe.runner.timeline)} cells): busy device-time / busy span = "
-          f"{busy:.2f}; share of busy time with >= 2 devices busy = {shared:.0%}")
+          f"{busy:.2f}; share of busy time with >= 2 devices busy = {shared:.0%}; some device busy for "
+          f"{busy_any * 1e3:.1f} ms of the step")
 
 
 if __name__ == "__main__":

@@ -19,10 +19,8 @@ measure total work and overhead, not parallel speed-up.
 from __future__ import annotations
 
 import os
-import re
 import statistics
 import time
-from pathlib import Path
 
 os.environ.setdefault("PJRT_DEVICE", "CPU")
 os.environ.setdefault("CPU_NUM_DEVICES", "8")
@@ -38,7 +36,7 @@ import xpipe.inspect  # noqa: E402
 from xpipe.models import transformer_lm  # noqa: E402
 from xpipe.spmd.executor import BATCH_AXES  # noqa: E402
 
-DUMP = xpipe.inspect.enable_hlo_dump()
+xpipe.inspect.enable_hlo_dump()
 DATA, STAGES, ROWS_PER_MICROBATCH = 2, 4, 4
 VOCAB, SEQ = 256, 64
 
@@ -80,17 +78,6 @@ def timed_steps(run, parameters, chunks: int, steps: int = 5) -> tuple[float, fl
         torch_xla._XLAC._xla_wait_device_ops([])
         times.append(time.perf_counter() - start)
     return first, compile_time, statistics.median(times) if times else float("nan")
-
-
-def assignments() -> set[Path]:
-    return set(Path(DUMP).glob("*buffer-assignment.txt"))
-
-
-def peak_bytes_of_new_program(before: set[Path]) -> int:
-    """Peak memory of one device in the largest program compiled since ``before``."""
-    largest = max(assignments() - before, key=lambda p: p.stat().st_size)
-    match = re.search(r"Stack trace breakdown for peak usage: ([\d ]+) bytes", largest.read_text())
-    return int(match[1].replace(" ", ""))
 
 
 def bytes_on_device_zero(parameters) -> int:
@@ -143,9 +130,8 @@ def main() -> None:
     chunks = 16  # a step not compiled above, so that both programs are new
     for checkpoint in ("always", "except_last", "never"):
         pipe = xpipe.Pipe(model(), chunks=chunks, mesh=mesh, checkpoint=checkpoint)
-        before = assignments()
-        timed_steps(pipe, pipe.parameters(), chunks, steps=0)
-        peaks[checkpoint] = peak_bytes_of_new_program(before)
+        first_step = xpipe.inspect.audit(lambda: timed_steps(pipe, pipe.parameters(), chunks, steps=0))
+        peaks[checkpoint] = first_step.peak_bytes
     print(f"4. peak device memory of the step (chunks={chunks}): " + ", ".join(
         f"checkpoint={mode!r} {peak:,} B" for mode, peak in peaks.items())
         + f"; always / never = {peaks['always'] / peaks['never']:.2f}")

@@ -173,7 +173,7 @@ class Pipe(nn.Module):
             if isinstance(source, tuple):
                 stacked = self.runner.body.weights[source[0]].grad
                 grads[key] = None if stacked is None else self._unstacked(stacked, *source)
-            elif isinstance(tensor := source.state_dict(keep_vars=True)[key], nn.Parameter):
+            elif isinstance(tensor := self._state_tensor(key), nn.Parameter):
                 grads[key] = tensor.grad
         return grads
 
@@ -181,7 +181,8 @@ class Pipe(nn.Module):
         source = self._state_sources[key]
         if isinstance(source, tuple):
             return self._unstacked(self.runner.body.weights[source[0]], *source)
-        return source.state_dict(keep_vars=True)[key]
+        owner, _, name = key.rpartition(".")
+        return getattr(source.get_submodule(owner), name)
 
     def _unstacked(self, stacked: torch.Tensor, index: int, block: int) -> torch.Tensor:
         """Block ``block``'s part of a stacked ``[S, K, numel]`` tensor (weight ``index``, or its grad)."""
@@ -228,16 +229,15 @@ def _stage_count(stages: int | None, balance: Sequence[int] | None, devices: int
 
 def _check_no_ties_across_stages(staged: StagedModel) -> None:
     """The devices executor keeps one copy of each weight, on its stage's device."""
-    owner: dict[int, int] = {}
-    names = {}
+    first_use: dict[int, tuple[int, str]] = {}  # parameter id -> (stage, name there)
     for stage, program in enumerate(staged.stages):
         for name, parameter in program.module.named_parameters():
-            if owner.setdefault(id(parameter), stage) != stage:
+            owner, owner_name = first_use.setdefault(id(parameter), (stage, name))
+            if owner != stage:
                 raise ValueError(
-                    f"module: parameter {name!r} is used in stage {stage} and also in stage {owner[id(parameter)]} "
-                    f"(as {names[id(parameter)]!r}); the devices executor keeps each weight on one device. "
+                    f"module: parameter {name!r} is used in stage {stage} and also in stage {owner} "
+                    f"(as {owner_name!r}); the devices executor keeps each weight on one device. "
                     "Pass a balance that puts its users in one stage, or use executor='spmd'")
-            names.setdefault(id(parameter), name)
 
 
 def _resolve_mesh(mesh: xs.Mesh | None, stages: int | None, balance: Sequence[int] | None) -> xs.Mesh:

@@ -32,7 +32,7 @@ import torch_xla.core.xla_model as xm
 from torch import nn
 from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 
-from xpipe.devices.stages import StagedModel
+from xpipe.devices.stages import StagedModel, StageProgram
 from xpipe.schedule import BACKWARD, FORWARD, Action, Schedule
 
 
@@ -140,6 +140,7 @@ class _Step:
         self.pipeline = pipeline
         self.differentiating = differentiating  # False under torch.no_grad(): nothing to keep
         self.values = microbatches  # per microbatch: value name -> tensor, on the device that made it
+        self.chunks = len(microbatches)
         self.microbatch_dim = microbatch_dim
         self.made_by_stages = {name for p in pipeline.staged.stages for name in p.outputs}
         # (stage, microbatch) -> (inputs, outputs) if kept, or (inputs, RNG seed) to recompute
@@ -156,7 +157,7 @@ class _Step:
         mode = self.pipeline.checkpoint
         if not self.differentiating:
             return False
-        return mode == "never" or (mode == "except_last" and microbatch == len(self.values) - 1)
+        return mode == "never" or (mode == "except_last" and microbatch == self.chunks - 1)
 
     def forward_cell(self, action: Action) -> list[torch.Tensor]:
         stage, microbatch = action.stage, action.microbatch
@@ -165,7 +166,7 @@ class _Step:
         args = [_moved(self.values[microbatch][name], device) for name in program.inputs]
         saved: list[torch.Tensor] = []
         if self.keeps(microbatch):
-            args = [_differentiable(a) if n in self.made_by_stages else a for n, a in zip(program.inputs, args)]
+            args = self._as_leaves(program, args)
             with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_collect_into(saved), _itself):
                 out = program.module(*args)
             self.kept[stage, microbatch] = (args, _Kept(out))
@@ -190,7 +191,7 @@ class _Step:
         if isinstance(kept, _Kept):
             out = kept.outputs
         else:
-            args = [_differentiable(a) if n in self.made_by_stages else a for n, a in zip(program.inputs, args)]
+            args = self._as_leaves(program, args)
             with torch.enable_grad(), _buffers_restored(program.module), _rng_replayed(device, kept):
                 out = program.module(*args)
         if stage == len(self.pipeline.devices) - 1:
@@ -216,17 +217,25 @@ class _Step:
                 totals[index] = grad if totals[index] is None else totals[index] + grad
         return [g for g in input_grads if g is not None] + [t for t in totals if t is not None]
 
+    def _as_leaves(self, program: StageProgram, args: list[Any]) -> list[Any]:
+        """``args`` as fresh autograd leaves where they are values another stage made
+        (their gradients go back there); model inputs stay as they are."""
+        return [_differentiable(a) if n in self.made_by_stages else a for n, a in zip(program.inputs, args)]
+
     def _received_grad(self, microbatch: int, name: str, device: torch.device) -> torch.Tensor | None:
         """The gradient of value ``name``, summed over the stages that read it."""
         parts = [_moved(part, device) for part in self.received[microbatch].pop(name, [])]
         return functools.reduce(operator.add, parts) if parts else None
 
-    def merged_outputs(self) -> list[torch.Tensor]:
-        return [_merge(list(parts), self.microbatch_dim) for parts in zip(*self.outputs)]
+    def end_forward(self) -> list[torch.Tensor]:
+        """The model's outputs, microbatches merged; the values that crossed between
+        stages are let go (each reader keeps its own copy if it needs one)."""
+        outputs, self.outputs, self.values = self.outputs, [], []
+        return [_merge(list(parts), self.microbatch_dim) for parts in zip(*outputs)]
 
     def set_output_grads(self, grads: tuple[torch.Tensor | None, ...]) -> None:
-        chunks = len(self.values)
-        split = [_split(g, chunks, self.microbatch_dim) if g is not None else [None] * chunks for g in grads]
+        split = [_split(g, self.chunks, self.microbatch_dim) if g is not None else [None] * self.chunks
+                 for g in grads]
         last = self.pipeline.devices[-1]
         self.output_grads = [[_moved(g, last) for g in per_leaf] for per_leaf in zip(*split)]
 
@@ -248,7 +257,7 @@ class _PipelineFunction(torch.autograd.Function):
     def forward(ctx, step: _Step, *parameters: nn.Parameter) -> tuple[torch.Tensor, ...]:
         ctx.step = step
         step.pipeline.run_cells(step.pipeline.forward_clocks, step.forward_cell)
-        return tuple(step.merged_outputs())
+        return tuple(step.end_forward())
 
     @staticmethod
     def backward(ctx, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:

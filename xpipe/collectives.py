@@ -28,6 +28,8 @@ sharding, which scan tracing refuses).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 import torch_xla.distributed.spmd as xs
@@ -52,7 +54,7 @@ def shift(x: torch.Tensor, offset: int, *, mesh: xs.Mesh | None = None, axis: st
     n = _stack_size(x, mesh, axis)
     if isinstance(offset, bool) or not isinstance(offset, int) or not 0 < abs(offset) < n:
         raise ValueError(f"offset: must be a non-zero int smaller in size than dim 0 ({n}), got {offset!r}")
-    return _stacked_if(_Shift.apply(x, offset), mesh, axis)
+    return _stacked_if(_Move.apply(x, _shift_with_zeros, offset), mesh, axis)
 
 
 def rotate(x: torch.Tensor, offset: int, *, mesh: xs.Mesh | None = None, axis: str = "stage") -> torch.Tensor:
@@ -67,7 +69,7 @@ def rotate(x: torch.Tensor, offset: int, *, mesh: xs.Mesh | None = None, axis: s
         raise ValueError(f"offset: must be an int, got {offset!r}")
     if offset % n == 0:
         return x
-    return _stacked_if(_Rotate.apply(x, offset % n), mesh, axis)
+    return _stacked_if(_Move.apply(x, _rotated, offset % n), mesh, axis)
 
 
 def send(x: torch.Tensor, src: int, dst: int, *, mesh: xs.Mesh, axis: str = "stage") -> torch.Tensor:
@@ -81,7 +83,7 @@ def send(x: torch.Tensor, src: int, dst: int, *, mesh: xs.Mesh, axis: str = "sta
     n = _stack_size(x, mesh, axis)
     _check_position(src, n, "src", axis)
     _check_position(dst, n, "dst", axis)
-    moved = x if src == dst else _Shift.apply(x, dst - src)
+    moved = x if src == dst else _Move.apply(x, _shift_with_zeros, dst - src)
     return _stacked(moved * _one_hot(dst, moved), mesh, axis)
 
 
@@ -157,7 +159,7 @@ def reduce_scatter(x: torch.Tensor, dim: int, op: str = "sum", *, mesh: xs.Mesh,
     # so after n - 1 steps position i holds chunk i reduced over every position.
     total = _own_chunk(chunks, dim, (position - 1) % n)
     for step in range(1, n):
-        arrived = _Rotate.apply(total, 1)
+        arrived = _Move.apply(total, _rotated, 1)
         total = _combine(arrived, _own_chunk(chunks, dim, (position - 1 - step) % n), op)
     if op == "mean":
         total = total / n
@@ -178,35 +180,23 @@ def all_to_all(x: torch.Tensor, split_dim: int, concat_dim: int, *, mesh: xs.Mes
     return _stacked(merged, mesh, axis)
 
 
-class _Shift(torch.autograd.Function):
-    """A shift whose backward is written as the opposite shift.
+class _Move(torch.autograd.Function):
+    """A move along dim 0 by ``offset`` places whose backward is the same move back.
 
-    Left to autograd, the backward of pad-then-slice reaches the partitioner in a
-    form it lowers to several permutes (by 1, 2 and 3 stages); written as the
-    mirror shift it stays one.
+    Left to autograd, the backward of a shift's pad-then-slice reaches the
+    partitioner in a form it lowers to several permutes (by 1, 2 and 3 stages);
+    written as the mirror move it stays one.
     """
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, offset: int) -> torch.Tensor:
-        ctx.offset = offset
-        return _shift_with_zeros(x, offset)
+    def forward(ctx, x: torch.Tensor, move: Callable[[torch.Tensor, int], torch.Tensor],
+                offset: int) -> torch.Tensor:
+        ctx.move, ctx.offset = move, offset
+        return move(x, offset)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return _shift_with_zeros(grad, -ctx.offset), None
-
-
-class _Rotate(torch.autograd.Function):
-    """A rotation by ``0 < offset < n`` whose backward is the opposite rotation."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, offset: int) -> torch.Tensor:
-        ctx.offset = offset
-        return _rotated(x, offset)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return _rotated(grad, grad.shape[0] - ctx.offset), None
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return ctx.move(grad, -ctx.offset), None, None
 
 
 def _shift_with_zeros(x: torch.Tensor, offset: int) -> torch.Tensor:
@@ -218,6 +208,7 @@ def _shift_with_zeros(x: torch.Tensor, offset: int) -> torch.Tensor:
 
 def _rotated(x: torch.Tensor, offset: int) -> torch.Tensor:
     # cat of two slices is one collective-permute; torch.roll would be an all-gather.
+    offset %= x.shape[0]
     return torch.cat([x[-offset:], x[:-offset]], 0)
 
 

@@ -1,4 +1,8 @@
-"""Pure pieces on the CPU: shift, recompute, the LayerNorm rewrite, the HLO parser."""
+"""Pure pieces on the CPU: shift, recompute, the LayerNorm rewrite, the HLO parser and its dump folder."""
+
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -72,3 +76,14 @@ def test_hlo_parser_reads_kinds_sizes_groups_and_loops():
     assert found[0].groups == ((0, 2), (1, 3))
     assert found[1].groups == ((0, 1), (2, 3))
     assert found[2].groups == ((0, 2), (1, 3))
+
+
+def test_hlo_dump_folder_is_removed_at_exit_unless_the_caller_named_it(tmp_path):
+    named = tmp_path / "kept"
+    script = ("import sys, xpipe.inspect; "
+              "print(xpipe.inspect.enable_hlo_dump(sys.argv[1] if len(sys.argv) > 1 else None))")
+    made = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
+    kept = subprocess.run([sys.executable, "-c", script, str(named)], capture_output=True, text=True,
+                          check=True)
+    assert made.stdout.strip() and not Path(made.stdout.strip()).exists()
+    assert Path(kept.stdout.strip()) == named and named.is_dir()

@@ -14,9 +14,11 @@ before the runtime starts, so the audit is two calls:
 
 from __future__ import annotations
 
+import atexit
 import glob
 import os
 import re
+import shutil
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -76,7 +78,8 @@ def enable_hlo_dump(directory: str | os.PathLike | None = None) -> Path:
     """Ask XLA to write every compiled program's optimized HLO to ``directory``.
 
     Must run before the XLA runtime starts (before the first XLA tensor): XLA reads
-    its flags once. Returns the directory (a new temporary one by default).
+    its flags once. Returns the directory: by default a new temporary one, removed
+    when the process exits, so that repeated runs leave no dumps behind.
 
     Raises:
         RuntimeError: if the runtime has already started.
@@ -86,7 +89,10 @@ def enable_hlo_dump(directory: str | os.PathLike | None = None) -> Path:
     if torch_xla._XLAC._xla_runtime_is_initialized():
         raise RuntimeError("enable_hlo_dump: the XLA runtime has already started; call it before the "
                            "first XLA tensor is made (e.g. right after import)")
-    path = Path(directory or tempfile.mkdtemp(prefix="xpipe-hlo-"))
+    if directory is None:
+        directory = tempfile.mkdtemp(prefix="xpipe-hlo-")
+        atexit.register(shutil.rmtree, directory, ignore_errors=True)
+    path = Path(directory)
     path.mkdir(parents=True, exist_ok=True)
     flags = os.environ.get("XLA_FLAGS", "")
     os.environ["XLA_FLAGS"] = f"{flags} --xla_dump_to={path} --xla_dump_hlo_as_text"

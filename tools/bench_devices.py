@@ -11,7 +11,9 @@ SGD, 3 warm-up steps then the median of 10 timed steps, each ending when every d
 is done:
 1. xpipe, executor="devices", on 4 emulated XLA CPU devices;
 2. torchgpipe with devices=['cpu'] * 4;
-3. the model unpipelined on one XLA device (one program per step).
+3. the model unpipelined on one XLA device (one program per step);
+4. the model unpipelined in eager PyTorch on the CPU: torchgpipe's own baseline, so
+   that each pipeline's cost can be read against the kernels it runs on.
 Overlap comes from the executor's timeline of one step: a cell's device is taken
 as busy from its launch (or the end of the device's previous cell, if later) until
 its output buffer was ready. Printed: the sum of busy time over the span in which
@@ -131,6 +133,7 @@ def main() -> None:
     device = torch_xla.device(0)
     single = copy.deepcopy(model).to(device)
     single_time = median_step(xla_step(single, single, device))
+    eager_time = median_step(torch_cpu_step(copy.deepcopy(model)))
 
     print(f"step time, median of {TIMED}:")
     print(f"  xpipe devices executor (4 XLA devices)  {xpipe_time * 1e3:8.1f} ms")
@@ -138,6 +141,8 @@ def main() -> None:
           f"xpipe / torchgpipe = {xpipe_time / gpipe_time:.2f}")
     print(f"  unpipelined, one XLA device              {single_time * 1e3:8.1f} ms   "
           f"xpipe / unpipelined = {xpipe_time / single_time:.2f}")
+    print(f"  unpipelined, eager on the CPU            {eager_time * 1e3:8.1f} ms   "
+          f"torchgpipe / eager = {gpipe_time / eager_time:.2f}")
     print(f"overlap of one xpipe step ({len(pipe.runner.timeline)} cells): busy device-time / busy span = "
           f"{busy:.2f}; share of busy time with >= 2 devices busy = {shared:.0%}; some device busy for "
           f"{busy_any * 1e3:.1f} ms of the step")

@@ -89,7 +89,7 @@ def enable_hlo_dump(directory: str | os.PathLike | None = None) -> Path:
     if torch_xla._XLAC._xla_runtime_is_initialized():
         raise RuntimeError("enable_hlo_dump: the XLA runtime has already started; call it before the "
                            "first XLA tensor is made (e.g. right after import)")
-    if directory is None:
+    if not directory:
         directory = tempfile.mkdtemp(prefix="xpipe-hlo-")
         atexit.register(shutil.rmtree, directory, ignore_errors=True)
     path = Path(directory)

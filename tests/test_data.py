@@ -117,3 +117,12 @@ def test_parallel_loader_per_device_loader(device):
     batches = list(loader.per_device_loader(device))
     assert [tuple(b.shape) for b in batches] == [(2, 32, 8)] * 2
     assert len(loader.per_device_loader(device)) == 2
+
+
+def test_input_sharding_outside_spmd_mode_is_refused(device):
+    import numpy as np
+    import torch_xla.distributed.spmd as xs
+
+    spec = xs.ShardingSpec(xs.Mesh(np.arange(8), (8,), ("data",)), ("data", None))
+    with pytest.raises(ValueError, match="input_sharding: shards batches over a mesh, which needs SPMD mode"):
+        MpDeviceLoader([torch.zeros(8, 2)], device, input_sharding=spec)

@@ -123,3 +123,25 @@ def test_untraceable_model_is_rejected_with_the_fix():
 
     with pytest.raises(ValueError, match="module: torch.fx cannot trace 'Branchy'"):
         xpipe.partition(Branchy(), 1)
+
+
+class Wide(nn.Module):
+    """A layer about 60 times the work of a Linear(64, 64)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(64, 2048), nn.Linear(2048, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(self.up(x))
+
+
+def test_time_balance_is_the_same_from_run_to_run():
+    """Layer times are medians of repeated timings, so a partition by time does not
+    move with one slow measurement (three wide layers, then narrow ones: the best
+    split, [1, 1, 5], beats every other by far)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(Wide(), Wide(), Wide(), *(nn.Linear(64, 64) for _ in range(4)))
+    sample = torch.randn(512, 64)
+    balances = [xpipe.partition(model, 3, sample_input=sample, cost="time").balance for _ in range(3)]
+    assert balances == [(1, 1, 5)] * 3

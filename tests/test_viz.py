@@ -109,8 +109,8 @@ def test_command_line_renders_a_factory_and_a_saved_plan(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["no.such.module:model", "--stages", "2"], "factory: 'no.such.module:model' not found"),
-    (["xpipe.models:nothing", "--stages", "2"], "factory: 'xpipe.models:nothing' not found"),
+    (["no.such.module:model", "--stages", "2"], "factory: importing 'no.such.module' failed (ModuleNotFoundError"),
+    (["xpipe.models:nothing", "--stages", "2"], "factory: 'xpipe.models' has no function 'nothing'"),
     (["xpipe.models:small_cnn", "--stages", "2", "--cost", "flops", "--input-shape", "2,5"],
      "--input-shape 2,5 does not fit the model"),
     (["xpipe.models:small_cnn", "--stages", "40"], "stages: 40 stages need at least 40 layers"),
@@ -122,3 +122,28 @@ def test_bad_arguments_print_one_line_and_fail(argv, message, capsys):
     assert exit_info.value.code == 2
     error = capsys.readouterr().err
     assert error.count("\n") == 1 and message in error
+
+
+def test_the_users_own_files_give_one_line_errors(tmp_path, monkeypatch, capsys):
+    """A model file in the current directory is found (as ``python -m`` finds it); one
+    that fails while it loads, a factory that raises and a plan of another schema each
+    end in one line naming the problem, not a traceback."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "my_model.py").write_text(
+        "from xpipe.models import small_cnn\n"
+        "def build():\n    return small_cnn()\n"
+        "def broken():\n    raise RuntimeError('no weights here')\n")
+    (tmp_path / "broken_model.py").write_text("import torch\nraise ImportError('missing dependency')\n")
+    (tmp_path / "other.json").write_text('{"schema": "something else"}')
+    assert main(["my_model:build", "--stages", "2", "--chunks", "2", "--out", "-"]) == 0
+    for argv, message in [
+        (["broken_model:build", "--stages", "2"], "factory: importing 'broken_model' failed (ImportError: missing"),
+        (["my_model:broken", "--stages", "2"], "factory: my_model:broken() raised RuntimeError: no weights here"),
+        (["--partition", "other.json"], "--partition: 'other.json' is not a partition written by Partition.to_json()"),
+    ]:
+        capsys.readouterr()
+        with pytest.raises(SystemExit) as exit_info:
+            main([*argv, "--chunks", "2", "--out", "-"])
+        assert exit_info.value.code == 2
+        error = capsys.readouterr().err
+        assert error.count("\n") == 1 and message in error, error

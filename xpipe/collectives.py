@@ -265,7 +265,8 @@ def _stacked_if(x: torch.Tensor, mesh: xs.Mesh | None, axis: str) -> torch.Tenso
 
 def _axis_size(mesh: xs.Mesh, axis: str) -> int:
     if not isinstance(mesh, xs.Mesh):
-        raise TypeError(f"mesh: expected a torch_xla.distributed.spmd.Mesh, got {type(mesh).__name__}")
+        raise TypeError(f"mesh: expected a torch_xla.distributed.spmd.Mesh, got {type(mesh).__name__}; "
+                        "pass mesh=xpipe.make_mesh(stages) (or the Pipe's pipe.mesh)")
     if axis not in mesh.axis_names:
         raise ValueError(f"axis: the mesh has axes {tuple(mesh.axis_names)}, not {axis!r}; pass one of them")
     return int(mesh.mesh_shape[mesh.axis_names.index(axis)])

@@ -20,12 +20,14 @@ and the loader's threads stop when iteration ends, fails, or is abandoned.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from functools import partial
 from typing import Any
 
 import torch
 import torch_xla.distributed.parallel_loader as torch_xla_loader
 import torch_xla.distributed.spmd as xs
+import torch_xla.runtime as xr
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 _JOIN_SECONDS = 5.0
@@ -95,15 +97,19 @@ def _stack_leaf(values: list[Any], dim: int, first: int) -> Any:
 
 
 class _Guarded(Iterable):
-    """Iterates ``source``; an exception ends the iteration and is kept for the consumer."""
+    """Iterates ``source``, checking each batch; an exception ends the iteration and is
+    kept for the consumer."""
 
-    def __init__(self, source: Iterable) -> None:
+    def __init__(self, source: Iterable, check: Callable[[Any], None]) -> None:
         self.source = source
+        self.check = check
         self.error: BaseException | None = None
 
     def __iter__(self) -> Iterator[Any]:
         try:
-            yield from self.source
+            for batch in self.source:
+                self.check(batch)
+                yield batch
         except Exception as error:  # handed to the training loop by PerDeviceLoader
             self.error = error
 
@@ -132,9 +138,10 @@ class ParallelLoader(torch_xla_loader.ParallelLoader):
     def __init__(self, loader: Iterable, devices, *, batch_dim: int = 0, accumulation_dim: int = 1,
                  accumulation_size: int = 0, strict: bool = False, **kwargs: Any) -> None:
         _check_options(batch_dim, accumulation_dim, accumulation_size)
+        sharding = _check_input_sharding(kwargs.get("input_sharding"))
         source = Accumulated(loader, accumulation_size, accumulation_dim, strict=strict) if accumulation_size \
             else loader
-        self._guarded = _Guarded(source)
+        self._guarded = _Guarded(source, partial(_check_sharding_fits, sharding))
         super().__init__(self._guarded, devices, batchdim=batch_dim, **kwargs)
 
     def per_device_loader(self, device) -> PerDeviceLoader:
@@ -181,6 +188,7 @@ class MpDeviceLoader(torch_xla_loader.MpDeviceLoader):
     def __init__(self, loader: Iterable, device, *, batch_dim: int = 0, accumulation_dim: int = 1,
                  accumulation_size: int = 0, strict: bool = False, **kwargs: Any) -> None:
         _check_options(batch_dim, accumulation_dim, accumulation_size)
+        _check_input_sharding(kwargs.get("input_sharding"))
         super().__init__(loader, device, batch_dim=batch_dim, accumulation_dim=accumulation_dim,
                          accumulation_size=accumulation_size, strict=strict, **kwargs)
 
@@ -200,6 +208,35 @@ def _closing(batches: PerDeviceLoader) -> Iterator[Any]:
         yield from batches
     finally:
         batches.close()
+
+
+def _check_input_sharding(sharding: Any) -> Any:
+    """``input_sharding`` if torch_xla will apply it; it drops what it cannot apply, in silence."""
+    if sharding is None:
+        return None
+    specs = sharding.values() if isinstance(sharding, dict) else [sharding]
+    if not all(isinstance(spec, xs.ShardingSpec) for spec in specs):
+        raise TypeError(f"input_sharding: expected a torch_xla ShardingSpec (or a dict of them by batch key), "
+                        f"got {type(sharding).__name__}; build one with xpipe.data.batch_sharding(mesh, ndim, "
+                        "batch_dim)")
+    if not xr.is_spmd():
+        raise ValueError("input_sharding: shards batches over a mesh, which needs SPMD mode; leave it out for "
+                         "the devices executor, or build the mesh (xpipe.make_mesh) first")
+    return sharding
+
+
+def _check_sharding_fits(sharding: Any, batch: Any) -> None:
+    """Every tensor of ``batch`` has as many dims as its sharding names."""
+    if sharding is None:
+        return
+    pairs = ([(sharding[key], value) for key, value in batch.items() if key in sharding]
+             if isinstance(sharding, dict) else [(sharding, leaf) for leaf in tree_flatten(batch)[0]])
+    for spec, tensor in pairs:
+        if isinstance(tensor, torch.Tensor) and not spec.can_apply(tensor):
+            raise ValueError(
+                f"input_sharding: names {len(spec.partition_spec)} dims but a batch tensor has shape "
+                f"{list(tensor.shape)}; torch_xla would leave it unsharded without a word. Build it for "
+                f"{tensor.dim()} dims, e.g. xpipe.data.batch_sharding(mesh, ndim={tensor.dim()}, batch_dim=...)")
 
 
 def _check_options(batch_dim: int, accumulation_dim: int, accumulation_size: int) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from pathlib import Path
 
@@ -59,7 +60,7 @@ def _plan(arguments: argparse.Namespace) -> Partition:
     if arguments.partition:
         if arguments.factory:
             raise ValueError("factory: give a factory or --partition, not both")
-        return Partition.from_json(Path(arguments.partition).read_text())
+        return _read_plan(Path(arguments.partition))
     if not arguments.factory:
         raise ValueError("factory: give PACKAGE.MODULE:FUNCTION, or --partition plan.json")
     if arguments.stages is None:
@@ -72,15 +73,31 @@ def _plan(arguments: argparse.Namespace) -> Partition:
         raise ValueError(f"--input-shape {arguments.input_shape} does not fit the model: {error}") from error
 
 
+def _read_plan(path: Path) -> Partition:
+    text = path.read_text()
+    try:
+        return Partition.from_json(text)
+    except (ValueError, KeyError, TypeError) as error:
+        raise ValueError(f"--partition: {str(path)!r} is not a partition written by Partition.to_json() "
+                         f"({type(error).__name__}: {error}); write one with xpipe.partition(...).to_json()") from error
+
+
 def _load_factory(spec: str) -> nn.Module:
     module_name, _, function = spec.partition(":")
     if not module_name or not function:
         raise ValueError(f"factory: {spec!r} is not PACKAGE.MODULE:FUNCTION")
+    if "" not in sys.path and os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())  # a model file in the current directory, as ``python -m`` finds it
     try:
-        factory = getattr(importlib.import_module(module_name), function)
-    except (ImportError, AttributeError) as error:
-        raise ValueError(f"factory: {spec!r} not found ({error})") from error
-    model = factory()
+        module = importlib.import_module(module_name)
+    except Exception as error:  # the user's module may fail in any way while it loads
+        raise ValueError(f"factory: importing {module_name!r} failed ({type(error).__name__}: {error})") from error
+    if not callable(factory := getattr(module, function, None)):
+        raise ValueError(f"factory: {module_name!r} has no function {function!r}")
+    try:
+        model = factory()
+    except Exception as error:
+        raise ValueError(f"factory: {spec}() raised {type(error).__name__}: {error}") from error
     if not isinstance(model, nn.Module):
         raise ValueError(f"factory: {spec!r} returned a {type(model).__name__}, not a torch.nn.Module")
     return model

@@ -1,5 +1,6 @@
 """The loader under SPMD: batches arrive sharded on the batch axis, and Pipe consumes them as they are."""
 
+import pytest
 import torch
 import torch_xla
 
@@ -44,3 +45,13 @@ def test_pipe_consumes_the_loader_output_as_it_is():
     report = xpipe.inspect.audit(lambda: pipe(stacked, microbatch_dim=0).sum())
     assert report.count("all-gather") == 0 and report.count("all-to-all") == 0, report
     assert len(reference) == len(list(model.parameters()))
+
+
+def test_a_sharding_that_does_not_fit_the_batch_is_refused_not_dropped():
+    mesh = xpipe.make_mesh(4, 2)
+    loader = MpDeviceLoader(batches(4), torch_xla.device(), accumulation_dim=0, accumulation_size=4,
+                            batch_dim=1, input_sharding=batch_sharding(mesh, ndim=2, batch_dim=1))
+    with pytest.raises(ValueError, match=r"input_sharding: names 2 dims but a batch tensor has shape \[4, 8, 8\]"):
+        list(loader)
+    with pytest.raises(TypeError, match="input_sharding: expected a torch_xla ShardingSpec"):
+        MpDeviceLoader(batches(4), torch_xla.device(), input_sharding=("data", None))

@@ -59,21 +59,21 @@ def test_layout_pads_chunks_to_fill_every_stage():
     assert (layout.slots, layout.rows, layout.padded_chunks, layout.padded_batch) == (1, 2, 4, 16)
 
 
-@pytest.mark.parametrize("microbatch_dim", [None, 0, 1])
-def test_slots_round_trip(microbatch_dim):
-    layout = make_layout(batch=24, chunks=6, stages=4, data=2)
-    x = torch.arange(24 * 3.0).view(24, 3)
-    if microbatch_dim is not None:
-        x = x.view(6, 4, 3).movedim(0, microbatch_dim)
-    flat = to_slots(x, layout, microbatch_dim)
-    assert flat.shape == (layout.padded_batch, 3)
-    torch.testing.assert_close(from_slots(flat, layout, microbatch_dim), x)
+@pytest.mark.parametrize("batch, chunks, rows, padded", [(10, 4, 2, 16), (12, 4, 2, 16), (3, 4, 1, 8)])
+def test_layout_pads_a_batch_that_does_not_split(batch, chunks, rows, padded):
+    """A ragged last batch runs: rows per replica rounded up, zero rows added for the body only."""
+    layout = make_layout(batch, chunks, 4, 2)
+    assert (layout.rows, layout.padded_batch) == (rows, padded)
 
 
-@pytest.mark.parametrize("batch, chunks, message", [
-    (10, 4, "chunks: a batch of 10 does not split into 4 equal microbatches"),
-    (12, 4, "chunks: microbatches of 3 rows do not split over the mesh's 2 data replicas"),
+@pytest.mark.parametrize("microbatched, batch, chunks", [
+    (False, 24, 6), (False, 10, 4), (False, 6, 3),  # batch-first, ragged ones included
+    (True, 24, 6), (True, 6, 3),  # a microbatch dim always holds chunks equal microbatches
 ])
-def test_layout_rejects_batches_that_do_not_split(batch, chunks, message):
-    with pytest.raises(ValueError, match=message):
-        make_layout(batch, chunks, 4, 2)
+def test_slots_round_trip(microbatched, batch, chunks):
+    layout = make_layout(batch=batch, chunks=chunks, stages=4, data=2)
+    x = torch.arange(batch * 3.0).view(batch, 3)
+    flat = to_slots(x, layout, microbatched)
+    assert flat.shape == (layout.padded_batch, 3)
+    assert flat.abs().sum() == x.abs().sum(), "padding rows are zeros"
+    torch.testing.assert_close(from_slots(flat, layout, microbatched), x)

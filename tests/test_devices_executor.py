@@ -149,9 +149,5 @@ def test_bad_arguments_name_themselves():
         xpipe.Pipe(transformer_lm(blocks=2, width=16, heads=2, seq=8, vocab=32), chunks=2, stages=4,
                    executor="devices")
     pipe = xpipe.Pipe(small_cnn(), chunks=4, stages=2)
-    with pytest.raises(ValueError, match="chunks: a batch of 6 does not split into 4 equal microbatches"):
-        pipe(torch.zeros(6, 3, 32, 32))
-    with pytest.raises(ValueError, match="x: the devices executor does not differentiate"):
-        pipe(torch.zeros(8, 3, 32, 32, requires_grad=True))
     with pytest.raises(TypeError, match=r"x: the model takes 1 inputs \(input_1\), got 2"):
         pipe(torch.zeros(8, 3, 32, 32), torch.zeros(8))

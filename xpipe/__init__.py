@@ -4,8 +4,11 @@
     pipe = xpipe.Pipe(model, chunks=8, mesh=xpipe.make_mesh(stages=4))
 """
 
+from xpipe._xla import start_runtime_before_first_backward
 from xpipe.graph import module_graph
 from xpipe.partition import Partition, partition
+
+start_runtime_before_first_backward()
 
 __all__ = ["Partition", "Pipe", "make_mesh", "module_graph", "partition"]
 

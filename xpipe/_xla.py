@@ -1,42 +1,102 @@
-"""Small XLA facts both executors rely on: autograd's first backward, moving weights."""
+"""Small XLA facts every executor relies on: autograd's device queues, SPMD mode, moving weights."""
 
 from __future__ import annotations
 
+import importlib.util
+
 import torch
+import torch.autograd
 from torch import nn
 
-_warmed = False
+_BROKEN_QUEUES = "device_ready_queues_"
+_checked: set[str] = set()  # devices that have run a backward
+
+
+def start_runtime_before_first_backward() -> None:
+    """Have torch_xla's runtime running before the process's first ``backward()``.
+
+    Autograd sizes its per-device queues once, at the first backward of the
+    process, from the devices registered then; torch_xla reports none until its
+    runtime has started. A CPU backward that comes first (a reference model, as
+    users compute all the time) therefore breaks every later XLA backward. The
+    runtime is started lazily, by the first backward, so that XLA flags set after
+    ``import xpipe`` (``xpipe.inspect.enable_hlo_dump``) still count.
+    """
+    if importlib.util.find_spec("torch_xla") is None:
+        return
+    original = torch.autograd._engine_run_backward
+
+    def first_backward(*args, **kwargs):
+        torch.autograd._engine_run_backward = original
+        import torch_xla.runtime as xr
+
+        xr.global_runtime_device_count()  # starts the runtime; chooses no device and no mode
+        return original(*args, **kwargs)
+
+    torch.autograd._engine_run_backward = first_backward
 
 
 def warm_autograd(device: torch.device) -> None:
-    """Run one tiny XLA backward, once per process.
+    """Check that autograd can run a backward on ``device``, with one tiny backward.
 
-    A CPU ``backward()`` that runs before the process's first XLA one breaks every
-    later XLA backward (an internal assert in autograd's device queues), and users
-    compute CPU references all the time.
+    Raises:
+        RuntimeError: if a backward ran before torch_xla's runtime started (in a
+            process where xpipe was imported too late to prevent it); the
+            process cannot run XLA backward passes any more.
     """
-    global _warmed
-    if not _warmed:
-        probe = torch.zeros(1, device=device, requires_grad=True)
-        (probe * 2).sum().backward()  # a bare probe.sum() does not set the queues up
-        _warmed = True
+    if str(device) in _checked:
+        return
+    probe = torch.zeros(1, device=device, requires_grad=True)
+    try:
+        (probe * 2).sum().backward()  # a bare probe.sum() does not reach the device's queue
+        _checked.add(str(device))
+    except RuntimeError as error:
+        if _BROKEN_QUEUES not in str(error):
+            raise
+        raise RuntimeError(
+            "module: this process ran a backward() before torch_xla's runtime started, and autograd "
+            "now cannot run any XLA backward (it sized its device queues without the XLA devices). "
+            "Import xpipe before the first backward() of the process (xpipe starts the runtime in time), "
+            "or call torch_xla.runtime.global_runtime_device_count() first"
+        ) from error
+
+
+def check_can_enter_spmd() -> None:
+    """Raise unless the process can still switch to SPMD mode.
+
+    torch_xla only warns when an XLA device was used before ``use_spmd()``, and the
+    process then crashes later (a segfault at the first transfer to the host).
+    """
+    import torch_xla
+    import torch_xla.runtime as xr
+
+    if not xr.is_spmd() and torch_xla._XLAC._xla_get_spmd_config_is_locked():
+        raise RuntimeError(
+            "executor: the spmd executor needs SPMD mode, which must start before any XLA device is "
+            "used, and this process already used one (torch_xla.device() or an XLA tensor). Build the "
+            "spmd Pipe (or call xpipe.make_mesh) before touching XLA devices, or use executor='devices'"
+        )
 
 
 def move_keeping_ties(modules: list[nn.Module], device: torch.device) -> None:
-    """Move parameters and buffers to ``device``, one new Parameter per original.
+    """Move parameters and buffers to ``device``, keeping every Parameter object.
 
-    ``module.to(xla)`` makes a separate copy for every place a Parameter is held,
-    which unties tied weights (an LM's embedding and head); this keeps them one.
+    Each Parameter's contents are swapped in place (``torch.utils.swap_tensors``),
+    so an optimizer built on the model's parameters before wrapping, and the
+    model itself, see the moved weights; and a Parameter held in several places
+    (an LM's tied embedding and head) stays one. ``module.to(xla)`` would instead
+    make a new Parameter for every place one is held.
     """
-    moved: dict[int, nn.Parameter] = {}
+    moved: set[int] = set()
     for module in modules:
         for owner in module.modules():
-            for name, parameter in owner._parameters.items():
-                if parameter is not None:
-                    if id(parameter) not in moved:
-                        moved[id(parameter)] = nn.Parameter(parameter.detach().to(device),
-                                                            requires_grad=parameter.requires_grad)
-                    owner._parameters[name] = moved[id(parameter)]
+            for parameter in owner._parameters.values():
+                if parameter is None or id(parameter) in moved:
+                    continue
+                moved.add(id(parameter))
+                if parameter.device != device:
+                    on_device = nn.Parameter(parameter.detach().to(device), requires_grad=parameter.requires_grad)
+                    torch.utils.swap_tensors(parameter, on_device)
             for name, buffer in owner._buffers.items():
                 if buffer is not None:
                     owner._buffers[name] = buffer.to(device)

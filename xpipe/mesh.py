@@ -12,7 +12,7 @@ import torch_xla.distributed.spmd as xs
 import torch_xla.runtime as xr
 
 from xpipe._checks import check_positive_int
-from xpipe._xla import warm_autograd
+from xpipe._xla import check_can_enter_spmd, warm_autograd
 
 AXES = ("data", "stage")
 
@@ -20,10 +20,16 @@ AXES = ("data", "stage")
 def spmd_device() -> torch.device:
     """The XLA device of SPMD mode, switching the process into it on first use.
 
-    SPMD mode is process-wide and must come before the first XLA tensor. It also
-    runs autograd's first XLA backward (``xpipe._xla.warm_autograd``).
+    SPMD mode is process-wide and must come before the first XLA device is used;
+    a process that already used one is refused with what to do, not left to crash.
+
+    Raises:
+        RuntimeError: if an XLA device was used before in this process, in
+            non-SPMD mode; or if autograd cannot run XLA backward passes
+            (``xpipe._xla.warm_autograd``).
     """
     if not xr.is_spmd():
+        check_can_enter_spmd()
         xr.use_spmd()
     device = torch_xla.device()
     warm_autograd(device)
@@ -45,15 +51,14 @@ def make_mesh(stages: int, data: int | None = None) -> xs.Mesh:
         ValueError: if ``data * stages`` is not the device count; the message lists
             the stage counts that would fit.
     """
-    spmd_device()
     devices = xr.global_runtime_device_count()
-    check_positive_int(stages, "stages")
-    if data is None:
-        data = devices // stages
+    stages = check_positive_int(stages, "stages")
+    data = devices // stages if data is None else check_positive_int(data, "data")
     if data < 1 or data * stages != devices:
         fits = [s for s in range(1, devices + 1) if devices % s == 0]
         raise ValueError(
             f"stages: a mesh of data={data} x stages={stages} needs {data * stages} devices but there are "
             f"{devices}; use stages in {fits} with data = {devices} // stages"
         )
+    spmd_device()
     return xs.Mesh(np.arange(devices).reshape(stages, data).T.flatten(), (data, stages), AXES)

@@ -152,9 +152,9 @@ def partition(
         sample_input: a tensor or tuple of tensors for one forward call; needed by
             every cost model but ``"params"``, and for the shapes of crossing tensors.
         cost: what to balance: ``"params"`` (parameter count), ``"flops"`` (forward
-            FLOPs), ``"time"`` (measured forward time) or ``"memory"`` (bytes of
-            weights and gradients, saved activations, and tensors received across
-            the cut in front of the stage).
+            FLOPs), ``"time"`` (forward time, the median of several timed runs) or
+            ``"memory"`` (bytes of weights and gradients, saved activations, and
+            tensors received across the cut in front of the stage).
         balance: layers per stage, used as given instead of searching.
 
     Returns:
@@ -176,7 +176,7 @@ def partition(
     if balance is None:
         balance = balance_by_cost(layer_costs, stages, entry_costs=entry)
     else:
-        _check_balance(balance, len(names))
+        balance = _check_balance(balance, len(names))
     return _build(graph, tuple(balance), cost, stage_costs(layer_costs, balance, entry_costs=entry))
 
 
@@ -193,18 +193,21 @@ def _check_arguments(
         stages = len(balance)
     if stages is None:
         raise ValueError("stages: give the number of stages, or balance=[layers per stage]")
-    check_positive_int(stages, "stages")
-    return stages
+    return check_positive_int(stages, "stages")
 
 
-def _check_balance(balance: Sequence[int], layers: int) -> None:
-    if any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in balance):
-        raise ValueError(f"balance: every stage needs a positive whole number of layers, got {list(balance)}")
+def _check_balance(balance: Sequence[int], layers: int) -> tuple[int, ...]:
+    """``balance`` as a tuple of ints (numpy integers accepted), if it fits ``layers``."""
+    try:
+        balance = tuple(check_positive_int(b, "balance") for b in balance)
+    except ValueError:
+        raise ValueError(f"balance: every stage needs a positive whole number of layers, got {list(balance)}") from None
     if sum(balance) != layers:
         raise ValueError(
             f"balance: {list(balance)} sums to {sum(balance)} but the model has {layers} layers; "
             f"make it sum to {layers}"
         )
+    return balance
 
 
 def layer_cost(node: dict[str, Any], cost: str) -> float:

@@ -22,8 +22,11 @@ import torch_xla
 import torch_xla.distributed.spmd as xs
 import torch_xla.runtime as xr
 from torch import nn
+from torch.utils._pytree import tree_flatten
 
+from xpipe._batch import batch_size, check_floating_inputs
 from xpipe._checks import check_positive_int
+from xpipe._retired import retire
 from xpipe._xla import move_keeping_ties, warm_autograd
 from xpipe.checkpoint import check_mode
 from xpipe.devices.executor import DevicesPipeline
@@ -32,7 +35,7 @@ from xpipe.mesh import make_mesh, spmd_device
 from xpipe.partition import Partition, partition
 from xpipe.schedule import Schedule, by_name
 from xpipe.spmd.executor import SpmdPipeline, spread
-from xpipe.spmd.stacking import StackedModel, cut_for_stacking
+from xpipe.spmd.stacking import cut_for_stacking
 
 EXECUTORS = ("auto", "spmd", "devices")
 
@@ -41,8 +44,14 @@ class Pipe(nn.Module):
     """A model run as a GPipe pipeline on XLA devices.
 
     Args:
-        module: the model. Pipe takes it over: its layers move to the XLA device(s).
-        chunks: microbatches per step; the batch is split into this many.
+        module: the model. Pipe takes it over: its layers move to the XLA
+            device(s), keeping their Parameter objects (an optimizer built on
+            them before wrapping still steps them), except the repeated blocks
+            under spmd, which become stacked tensors of the Pipe's own: the
+            blocks' old Parameters then refuse to be stepped or saved. Build the
+            optimizer on ``pipe.parameters()``, after wrapping.
+        chunks: microbatches per step; the batch is split into this many (a last
+            batch that does not divide runs too, as in torchgpipe).
         stages: pipeline stages; defaults to the mesh's "stage" size, or
             ``len(balance)``, or the device count.
         balance: layers per stage, as ``xpipe.partition`` takes it. The spmd
@@ -54,6 +63,11 @@ class Pipe(nn.Module):
         schedule: the schedule's name (``"gpipe"``).
         checkpoint: ``"always"``, ``"except_last"`` or ``"never"``: which
             microbatches recompute their stage activations in the backward pass.
+        deferred_batch_norm: devices executor: BatchNorm layers normalise each
+            microbatch with its own statistics but update their running
+            statistics once per step, over the whole mini-batch, as the
+            unpipelined model does (torchgpipe's option). Under spmd the layers
+            outside the stacked body already see the whole mini-batch at once.
         executor: ``"spmd"`` (one SPMD program over the mesh), ``"devices"`` (one
             XLA device per stage, any model) or ``"auto"``: spmd when a mesh is
             given, the process is already in SPMD mode, or the model has a
@@ -69,6 +83,7 @@ class Pipe(nn.Module):
     Calling ``pipe(x)`` with ``x`` batch-first (a tensor, or a tuple of tensors)
     returns what ``module(x)`` returns, batch-first; ``pipe(x, microbatch_dim=d)``
     takes ``x`` with a dim ``d`` of size ``chunks`` and keeps that layout.
+    Every argument is checked before the process's XLA runtime is touched.
     """
 
     def __init__(
@@ -81,35 +96,42 @@ class Pipe(nn.Module):
         mesh: xs.Mesh | None = None,
         schedule: str = "gpipe",
         checkpoint: str = "except_last",
+        deferred_batch_norm: bool = False,
         executor: str = "auto",
     ) -> None:
         super().__init__()
-        check_positive_int(chunks, "chunks")
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"module: expected a torch.nn.Module, got {type(module).__name__}")
+        self.chunks = check_positive_int(chunks, "chunks")
         self.checkpoint = check_mode(checkpoint)
-        self.chunks = chunks
+        if not isinstance(deferred_batch_norm, bool):
+            raise ValueError(f"deferred_batch_norm: must be True or False, got {deferred_batch_norm!r}")
+        by_name(schedule, 1, 1)  # an unknown name fails here, before any device work
         self.executor = _choose_executor(executor, module, mesh, stages, balance)
         self._original_keys = list(module.state_dict(keep_vars=True))
         if self.executor == "spmd":
             self._build_spmd(module, balance, mesh, stages, schedule)
         else:
-            self._build_devices(module, balance, mesh, stages, schedule)
+            self._build_devices(module, balance, mesh, stages, schedule, deferred_batch_norm)
+        if not module.training:
+            self.eval()  # a model wrapped in eval mode stays in eval mode
 
     def _build_spmd(self, module: nn.Module, balance: Sequence[int] | None, mesh: xs.Mesh | None,
                     stages: int | None, schedule: str) -> None:
-        device = spmd_device()
-        self.mesh = _resolve_mesh(mesh, stages, balance)
-        stages = self.mesh.mesh_shape[1]
-        self.schedule: Schedule = by_name(schedule, stages, self.chunks)
+        stages = _spmd_stage_count(mesh, stages, balance)
         plan = partition(module, stages)
         stacked = cut_for_stacking(module, plan)
         self.partition: Partition = _spmd_partition(module, plan, spread(len(stacked.blocks), stages), balance)
+        self.schedule: Schedule = by_name(schedule, stages, self.chunks)
+        self.mesh = mesh if mesh is not None else make_mesh(stages)  # the process enters SPMD mode here
+        device = spmd_device()
         self.devices = [device]
-        self._state_sources = _state_sources(stacked, self._original_keys)
         move_keeping_ties([stacked.pre, stacked.post], device)
-        self.runner = SpmdPipeline(stacked, self.mesh, self.chunks, self.checkpoint, device)
+        self.runner = SpmdPipeline(stacked, self.mesh, self.chunks, self.checkpoint, device, self._original_keys)
+        retire(module, [p for block in stacked.blocks for p in block.parameters()])
 
     def _build_devices(self, module: nn.Module, balance: Sequence[int] | None, mesh: xs.Mesh | None,
-                       stages: int | None, schedule: str) -> None:
+                       stages: int | None, schedule: str, deferred_batch_norm: bool) -> None:
         if mesh is not None:
             raise ValueError("mesh: the devices executor puts one stage on each XLA device and takes no mesh; "
                              "leave mesh out, or use executor='spmd'")
@@ -126,75 +148,64 @@ class Pipe(nn.Module):
         warm_autograd(self.devices[0])
         for program, device in zip(staged.stages, self.devices):
             move_keeping_ties([program.module], device)
-        self._state_sources = dict.fromkeys(self._original_keys, module)
-        self.runner = DevicesPipeline(staged, self.devices, self.schedule, self.checkpoint)
+        self.runner = DevicesPipeline(staged, self.devices, self.schedule, self.checkpoint, module,
+                                      deferred_batch_norm=deferred_batch_norm)
 
     def forward(self, *inputs: torch.Tensor, microbatch_dim: int | None = None):
-        if len(inputs) == 1 and isinstance(inputs[0], (tuple, list)):
-            inputs = tuple(inputs[0])
-        if not inputs or not all(isinstance(x, torch.Tensor) for x in inputs):
-            raise TypeError(f"x: expected a tensor or a tuple of tensors, got {[type(x).__name__ for x in inputs]}")
+        if len(inputs) == 1 and isinstance(inputs[0], (tuple, list)) and len(self.runner.input_names) > 1:
+            inputs = tuple(inputs[0])  # pipe((x, y)) for forward(x, y); forward(pair) gets the tuple
+        if not inputs:
+            raise TypeError("x: pass the model's input (a tensor, or a tuple of tensors)")
+        batch_size(inputs, self.chunks, microbatch_dim)
+        check_floating_inputs(inputs, self._weight_dtype())
         if microbatch_dim is not None:
-            for x in inputs:
-                if not -x.dim() <= microbatch_dim < x.dim() or x.shape[microbatch_dim] != self.chunks:
-                    raise ValueError(f"microbatch_dim: input of shape {list(x.shape)} has no dim {microbatch_dim} "
-                                     f"of size chunks={self.chunks}; pass the dim that holds the microbatches")
-            microbatch_dim %= inputs[0].dim()
+            microbatch_dim %= tree_flatten(inputs)[0][0].dim()
         return self.runner(*inputs, microbatch_dim=microbatch_dim)
+
+    def _weight_dtype(self) -> torch.dtype | None:
+        return next((p.dtype for p in self.parameters() if p.is_floating_point()), None)
+
+    def _apply(self, fn, recurse: bool = True):
+        raise RuntimeError(
+            "pipe: a Pipe's weights are placed on their XLA devices (and sharded, under spmd) when it is "
+            "built; .to(), .cpu(), .cuda(), .half() and the like would move them out from under the "
+            "pipeline. Convert the model before wrapping it (model.to(dtype)), or take pipe.state_dict() "
+            "for a copy elsewhere")
 
     def state_dict(self, *args, destination=None, prefix: str = "", keep_vars: bool = False):
         """The wrapped module's state: exactly its keys and shapes, the body unstacked."""
         state = OrderedDict() if destination is None else destination
         for key in self._original_keys:
-            tensor = self._state_tensor(key)
+            tensor = self.runner.state_tensor(key)
             state[prefix + key] = tensor if keep_vars else tensor.detach()
         return state
 
     def load_state_dict(self, state_dict: Mapping[str, torch.Tensor], strict: bool = True, assign: bool = False):
         """Load a state dict of the wrapped module (as ``module.state_dict()`` gives)."""
         missing = [k for k in self._original_keys if k not in state_dict]
-        unexpected = [k for k in state_dict if k not in self._state_sources]
+        unexpected = [k for k in state_dict if k not in self._original_keys]
         if strict and (missing or unexpected):
             raise RuntimeError(f"state_dict: missing keys {missing}, unexpected keys {unexpected}")
+        targets = {key: self.runner.state_tensor(key) for key in state_dict if key in self._original_keys}
+        for key, target in targets.items():
+            if target.shape != state_dict[key].shape:
+                raise RuntimeError(f"state_dict: {key!r} has shape {list(state_dict[key].shape)}, "
+                                   f"expected {list(target.shape)}")
         with torch.no_grad():
-            for key, value in state_dict.items():
-                if key in self._state_sources:
-                    target = self._state_tensor(key)
-                    if target.shape != value.shape:
-                        raise RuntimeError(f"state_dict: {key!r} has shape {list(value.shape)}, "
-                                           f"expected {list(target.shape)}")
-                    target.copy_(value.to(target.device))
+            for key, target in targets.items():
+                target.copy_(state_dict[key].to(target.device, target.dtype))
         return nn.modules.module._IncompatibleKeys(missing, unexpected)
 
     def named_gradients(self) -> dict[str, torch.Tensor | None]:
         """Gradients under the wrapped module's parameter names, the body unstacked."""
-        grads: dict[str, torch.Tensor | None] = {}
-        for key, source in self._state_sources.items():
-            if isinstance(source, tuple):
-                stacked = self.runner.body.weights[source[0]].grad
-                grads[key] = None if stacked is None else self._unstacked(stacked, *source)
-            elif isinstance(tensor := self._state_tensor(key), nn.Parameter):
-                grads[key] = tensor.grad
-        return grads
-
-    def _state_tensor(self, key: str) -> torch.Tensor:
-        source = self._state_sources[key]
-        if isinstance(source, tuple):
-            return self._unstacked(self.runner.body.weights[source[0]], *source)
-        owner, _, name = key.rpartition(".")
-        return getattr(source.get_submodule(owner), name)
-
-    def _unstacked(self, stacked: torch.Tensor, index: int, block: int) -> torch.Tensor:
-        """Block ``block``'s part of a stacked ``[S, K, numel]`` tensor (weight ``index``, or its grad)."""
-        stage, slot = self.runner.block_slot(block)
-        return stacked[stage, slot].view(self.runner.body.shapes[index])
+        return self.runner.named_gradients()
 
 
 def _choose_executor(executor: str, module: nn.Module, mesh: xs.Mesh | None, stages: int | None,
                      balance: Sequence[int] | None) -> str:
     """``executor``, with ``"auto"`` resolved: spmd for a mesh, an SPMD process or a
-    model with a stackable run of at least one identical block per stage; devices
-    otherwise."""
+    model with a stackable run of at least one identical block per stage (and a
+    stage count that divides the devices); devices otherwise. Touches no device."""
     if executor not in EXECUTORS:
         raise ValueError(f"executor: {executor!r} is not an executor; use one of {', '.join(EXECUTORS)}")
     if executor != "auto":
@@ -202,7 +213,10 @@ def _choose_executor(executor: str, module: nn.Module, mesh: xs.Mesh | None, sta
     if mesh is not None or xr.is_spmd():
         return "spmd"
     requested = _requested_stages(stages, balance)
-    stages = xr.global_runtime_device_count() if requested is None else requested
+    devices = xr.global_runtime_device_count()
+    stages = devices if requested is None else check_positive_int(requested, "stages")
+    if devices % stages:
+        return "devices"  # no data x stage mesh has this many stages
     try:
         stacked = cut_for_stacking(module, partition(module, 1))
     except ValueError:
@@ -219,8 +233,7 @@ def _requested_stages(stages: int | None, balance: Sequence[int] | None) -> int 
 
 def _stage_count(stages: int | None, balance: Sequence[int] | None, devices: int) -> int:
     requested = _requested_stages(stages, balance)
-    stages = devices if requested is None else requested
-    check_positive_int(stages, "stages")
+    stages = check_positive_int(devices if requested is None else requested, "stages")
     if stages > devices:
         raise ValueError(f"stages: {stages} stages need {stages} XLA devices, but there are {devices}; "
                          f"use at most {devices} stages")
@@ -240,15 +253,24 @@ def _check_no_ties_across_stages(staged: StagedModel) -> None:
                     "Pass a balance that puts its users in one stage, or use executor='spmd'")
 
 
-def _resolve_mesh(mesh: xs.Mesh | None, stages: int | None, balance: Sequence[int] | None) -> xs.Mesh:
-    stages = _requested_stages(stages, balance)
+def _spmd_stage_count(mesh: xs.Mesh | None, stages: int | None, balance: Sequence[int] | None) -> int:
+    """The stage count of an spmd Pipe, checked against the mesh or the device count
+    before the process is switched into SPMD mode."""
+    requested = _requested_stages(stages, balance)
     if mesh is None:
-        return make_mesh(stages if stages is not None else xr.global_runtime_device_count())
-    if tuple(mesh.axis_names) != ("data", "stage"):
-        raise ValueError(f"mesh: axes are {mesh.axis_names}, expected ('data', 'stage'); build it with xpipe.make_mesh")
-    if stages is not None and mesh.mesh_shape[1] != stages:
-        raise ValueError(f"stages: {stages} does not match the mesh's 'stage' axis of {mesh.mesh_shape[1]}")
-    return mesh
+        devices = xr.global_runtime_device_count()
+        stages = check_positive_int(devices if requested is None else requested, "stages")
+        if devices % stages:
+            fits = [s for s in range(1, devices + 1) if devices % s == 0]
+            raise ValueError(f"stages: {stages} stages do not divide the {devices} devices into a data x stage "
+                             f"mesh; use stages in {fits}")
+        return stages
+    if not isinstance(mesh, xs.Mesh) or tuple(mesh.axis_names) != ("data", "stage"):
+        raise ValueError(f"mesh: expected a ('data', 'stage') mesh, got {getattr(mesh, 'axis_names', mesh)!r}; "
+                         "build it with xpipe.make_mesh")
+    if requested is not None and mesh.mesh_shape[1] != requested:
+        raise ValueError(f"stages: {requested} does not match the mesh's 'stage' axis of {mesh.mesh_shape[1]}")
+    return mesh.mesh_shape[1]
 
 
 def _spmd_partition(module: nn.Module, plan: Partition, per_stage: tuple[int, ...],
@@ -267,18 +289,3 @@ def _spmd_partition(module: nn.Module, plan: Partition, per_stage: tuple[int, ..
         raise ValueError(f"balance: the spmd executor spreads the {repeated.count} blocks evenly, which gives "
                          f"balance={spmd_balance}; pass that or leave balance out")
     return partition(module, balance=spmd_balance)
-
-
-def _state_sources(stacked: StackedModel, keys: list[str]) -> dict[str, nn.Module | tuple[int, int]]:
-    """Where each state_dict key lives: in ``pre`` or ``post``, or (parameter index, block)."""
-    sources: dict[str, nn.Module | tuple[int, int]] = {}
-    for block, module in enumerate(stacked.blocks):
-        for index, (name, _) in enumerate(module.named_parameters()):
-            sources[name] = (index, block)
-    for module in (stacked.pre, stacked.post):
-        for name in module.state_dict(keep_vars=True):
-            sources.setdefault(name, module)
-    unused = [key for key in keys if key not in sources]
-    if unused:
-        raise ValueError(f"module: {unused} are never used by forward; remove them before pipelining")
-    return sources

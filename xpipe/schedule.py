@@ -138,8 +138,8 @@ def gpipe(stages: int, chunks: int) -> Schedule:
     starts on the last stage with the last microbatch. The bubble fraction is
     ``(stages - 1) / (chunks + stages - 1)``.
     """
-    check_positive_int(stages, "stages")
-    check_positive_int(chunks, "chunks")
+    stages = check_positive_int(stages, "stages")
+    chunks = check_positive_int(chunks, "chunks")
     span = chunks + stages - 1
     table = []
     for clock in range(span):

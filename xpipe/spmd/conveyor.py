@@ -44,6 +44,7 @@ class Layout:
     chunks: int  # microbatches the user asked for
     slots: int  # R = ceil(chunks / stages): microbatches per stage
     rows: int  # rows of one microbatch on one data replica
+    batch: int  # rows the user passed (fewer than padded_batch when padded)
 
     @property
     def padded_chunks(self) -> int:
@@ -58,47 +59,45 @@ class Layout:
 def make_layout(batch: int, chunks: int, stages: int, data: int) -> Layout:
     """Lay ``batch`` rows out as ``chunks`` microbatches over a ``data x stages`` mesh.
 
-    Raises:
-        ValueError: if the batch does not split into ``chunks`` microbatches whose
-            rows divide evenly over the data replicas.
+    A batch that does not split evenly (the last, smaller batch of an epoch) is
+    padded with zero rows, which only the stacked body sees: the layers before
+    and after it, and the output, get exactly the rows given.
     """
-    if batch % chunks:
-        raise ValueError(f"chunks: a batch of {batch} does not split into {chunks} equal microbatches; "
-                         f"use a batch that is a multiple of {chunks}")
-    micro = batch // chunks
-    if micro % data:
-        raise ValueError(f"chunks: microbatches of {micro} rows do not split over the mesh's {data} data "
-                         f"replicas; use a batch that is a multiple of chunks x data = {chunks * data}")
-    return Layout(stages, data, chunks, -(-chunks // stages), micro // data)
+    return Layout(stages, data, chunks, -(-chunks // stages), max(1, -(-batch // (chunks * data))), batch)
 
 
-def to_slots(x: torch.Tensor, layout: Layout, microbatch_dim: int | None) -> torch.Tensor:
-    """Rearrange one input into the flat slot order ``[S * D * R * rows, ...]``.
+def to_slots(x: torch.Tensor, layout: Layout, microbatched: bool) -> torch.Tensor:
+    """Put one tensor of the stream into the flat slot order ``[S * D * R * rows, ...]``.
 
-    Batch-first input ``[batch, ...]`` is already in that order (padded with zero
-    microbatches when ``chunks`` is not a multiple of the stage count). Input with
-    a microbatch dim of size ``chunks`` is put into it.
+    ``x`` is ``[batch, ...]``: batch-first rows, already in slot order (padded with
+    zero rows at the end), or, when ``microbatched``, ``chunks`` microbatches one
+    after the other, which are padded and moved into place.
     """
-    if microbatch_dim is None:
-        return _pad_rows(x, layout.padded_batch)
-    micro = _pad_rows(x.movedim(microbatch_dim, 0), layout.padded_chunks)  # [M', mb, ...]
+    if not microbatched:
+        return _pad(x, 0, layout.padded_batch)
+    micro = x.view(layout.chunks, layout.batch // layout.chunks, *x.shape[1:])
+    micro = _pad(_pad(micro, 1, layout.data * layout.rows), 0, layout.padded_chunks)  # [M', D * rows, ...]
     grid = micro.reshape(layout.stages, layout.slots, layout.data, layout.rows, *micro.shape[2:])
     return grid.transpose(1, 2).reshape(layout.padded_batch, *micro.shape[2:])
 
 
-def from_slots(y: torch.Tensor, layout: Layout, microbatch_dim: int | None) -> torch.Tensor:
-    """Inverse of :func:`to_slots` for one output ``[S * D * R * rows, ...]``."""
-    if microbatch_dim is None:
-        return y[: layout.chunks * layout.data * layout.rows]
+def from_slots(y: torch.Tensor, layout: Layout, microbatched: bool) -> torch.Tensor:
+    """Inverse of :func:`to_slots`: ``[S * D * R * rows, ...] -> [batch, ...]``."""
+    if not microbatched:
+        return y[: layout.batch]
     grid = y.reshape(layout.stages, layout.data, layout.slots, layout.rows, *y.shape[1:])
     micro = grid.transpose(1, 2).reshape(layout.padded_chunks, layout.data * layout.rows, *y.shape[1:])
-    return micro[: layout.chunks].movedim(0, microbatch_dim)
+    return micro[: layout.chunks, : layout.batch // layout.chunks].flatten(0, 1)
 
 
-def _pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
-    if x.shape[0] == rows:
+def _pad(x: torch.Tensor, dim: int, size: int) -> torch.Tensor:
+    """``x`` with zeros appended along ``dim`` up to ``size``."""
+    missing = size - x.shape[dim]
+    if missing == 0:
         return x
-    return torch.cat([x, x.new_zeros(rows - x.shape[0], *x.shape[1:])])
+    shape = list(x.shape)
+    shape[dim] = missing
+    return torch.cat([x, x.new_zeros(shape)], dim)
 
 
 def column_tables(schedule: Schedule, layout: Layout) -> tuple[np.ndarray, np.ndarray]:
@@ -130,7 +129,7 @@ def column_tables(schedule: Schedule, layout: Layout) -> tuple[np.ndarray, np.nd
     return inputs, outputs
 
 
-StageFn = Callable[[tuple[torch.Tensor, ...], torch.Tensor, torch.Tensor], torch.Tensor]
+StageFn = Callable[[tuple[torch.Tensor, ...], torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def make_tick(stages: int, data: int, run_stages: StageFn) -> Callable:
@@ -139,7 +138,8 @@ def make_tick(stages: int, data: int, run_stages: StageFn) -> Callable:
     Every tensor's dim 0 is the mesh's ``S * D`` devices, stage-major, so moving
     a slice one stage on is a shift by ``D`` places. Carry:
     ``(state [S*D, rows, F], inputs [S*D, R, rows, F], outputs [S*D, R, rows, F],
-    valid [S*D, K], weights)``; per clock: the one-hot input and output columns ``[R]``.
+    valid [S*D, K], weights)``; per clock: the one-hot input and output columns ``[R]``
+    and the int32 key of the cell each device runs ``[S*D]`` (for dropout masks).
     """
 
     def next_stage(x: torch.Tensor, direction: int) -> torch.Tensor:
@@ -151,7 +151,7 @@ def make_tick(stages: int, data: int, run_stages: StageFn) -> Callable:
 
     def tick(carry, columns):
         state, inputs, outputs, valid, weights = carry
-        read, write = columns
+        read, write, keys = columns
         device = torch.arange(stages * data, device=state.device)
         first = (device < data).view(-1, *[1] * (state.dim() - 1))
         last = (device >= (stages - 1) * data).view(-1, *[1] * (state.dim() - 1))
@@ -159,7 +159,7 @@ def make_tick(stages: int, data: int, run_stages: StageFn) -> Callable:
         write_mask = _column_mask(write, outputs)
         entering = (inputs * read_mask).sum(1)  # [S*D, rows, F]
         leaving = (outputs * write_mask).sum(1)
-        state = run_stages(weights, valid, torch.where(first, entering, next_stage(state, 1)))
+        state = run_stages(weights, valid, torch.where(first, entering, next_stage(state, 1)), keys)
         moved = next_stage(torch.stack([entering, leaving], 1), -1)  # both columns, one permute
         leaving = torch.where(last, state, moved[:, 1])
         inputs = torch.where(read_mask > 0, moved[:, 0].unsqueeze(1), inputs)

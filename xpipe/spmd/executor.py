@@ -21,12 +21,15 @@ import torch
 import torch_xla.distributed.spmd as xs
 from torch import nn
 from torch.func import functional_call
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_flatten, tree_map
 from torch_xla.experimental.scan import scan
 
+from xpipe._batch import check_outputs
+from xpipe._batchnorm import RunningStatistics
 from xpipe.checkpoint import recompute
 from xpipe.schedule import gpipe
 from xpipe.spmd.conveyor import Layout, column_tables, from_slots, make_layout, make_tick, to_slots
+from xpipe.spmd.dropout import cell_keys, hashed_dropout
 from xpipe.spmd.lowering import ShardableOps
 from xpipe.spmd.stacking import StackedModel
 
@@ -42,10 +45,11 @@ class SpmdPipeline(nn.Module):
         chunks: microbatches per step.
         checkpoint: ``"always"``, ``"except_last"`` or ``"never"``.
         device: the SPMD XLA device.
+        keys: the wrapped module's ``state_dict`` keys, in order.
     """
 
     def __init__(self, stacked: StackedModel, mesh: xs.Mesh, chunks: int, checkpoint: str,
-                 device: torch.device) -> None:
+                 device: torch.device, keys: list[str]) -> None:
         super().__init__()
         self.mesh = mesh
         self.stages = mesh.mesh_shape[1]
@@ -54,6 +58,7 @@ class SpmdPipeline(nn.Module):
         self.checkpoint = checkpoint
         self.pre = stacked.pre
         self.post = stacked.post
+        self.batch_norm = RunningStatistics([self.pre, self.post])  # PyTorch's running statistics, not XLA's
         for tensor in [*self.pre.parameters(), *self.post.parameters()]:
             # Replicated from the start: an unannotated weight comes out of the first step
             # annotated "replicated", and the second step would compile anew.
@@ -61,80 +66,134 @@ class SpmdPipeline(nn.Module):
         self.block_count = len(stacked.blocks)
         self.per_stage = spread(self.block_count, self.stages)
         self.depth = max(self.per_stage)  # K: block slots per stage
-        self.block_names = [name for name, _ in stacked.blocks[0].named_parameters()]
         self._template = [stacked.blocks[0]]  # kept out of the module tree: its weights are not ours
-        self.body = _stack_blocks(stacked.blocks, self.per_stage, self.depth, device, mesh)
-        self._ticks: dict[tuple[bool, tuple[int, ...]], Callable] = {}
+        self._block_parameters = [list(block.named_parameters()) for block in stacked.blocks]
+        self._frozen = [[not p.requires_grad for _, p in named] for named in self._block_parameters]
+        self.body = StackedWeights.from_blocks(stacked.blocks, self._slots(), device, mesh)
+        self._sources = _state_sources(stacked, keys)
+        self._ticks: dict[tuple, Callable] = {}
 
-    def block_slot(self, block: int) -> tuple[int, int]:
-        """The (stage, slot) that holds block ``block`` of the body."""
-        for stage, count in enumerate(self.per_stage):
-            if block < count:
-                return stage, block
-            block -= count
-        raise IndexError(f"block: {block} is out of range")
+    def train(self, mode: bool = True) -> SpmdPipeline:
+        """Also sets the mode of the block that the stacked weights run through."""
+        super().train(mode)
+        self._template[0].train(mode)
+        return self
+
+    def _slots(self) -> list[tuple[int, int]]:
+        """The (stage, slot) of each block of the body, in order."""
+        return [(stage, slot) for stage, count in enumerate(self.per_stage) for slot in range(count)]
+
+    @property
+    def input_names(self) -> tuple[str, ...]:
+        """The model's positional inputs."""
+        return tuple(node.name for node in self.pre.graph.nodes if node.op == "placeholder")
+
+    def state_tensor(self, key: str) -> torch.Tensor:
+        """The tensor behind ``state_dict`` key ``key`` (a view into the stacked body for a block's weight)."""
+        source = self._sources[key]
+        if isinstance(source, tuple):
+            return self.body.block_tensor(*source)
+        owner, _, name = key.rpartition(".")
+        return getattr(source.get_submodule(owner), name)
+
+    def named_gradients(self) -> dict[str, torch.Tensor | None]:
+        """Gradients under the wrapped module's parameter names; ``None`` for frozen weights."""
+        grads: dict[str, torch.Tensor | None] = {}
+        for key, source in self._sources.items():
+            if isinstance(source, tuple):
+                grads[key] = self.body.block_grad(*source)
+            elif isinstance(tensor := self.state_tensor(key), nn.Parameter):
+                grads[key] = tensor.grad
+        return grads
 
     def forward(self, *inputs: torch.Tensor, microbatch_dim: int | None = None):
         """Run one step's forward; see :class:`xpipe.Pipe` for the contract."""
+        self._check_flags_unchanged()
         device = self.body.weights[0].device
-        first = inputs[0] if microbatch_dim is None else inputs[0].movedim(microbatch_dim, 0).flatten(0, 1)
-        layout = make_layout(first.shape[0], self.chunks, self.stages, self.data)
-        flat = [self._shard_batch(to_slots(x.to(device), layout, microbatch_dim)) for x in inputs]
-        with ShardableOps():
-            stream, *skips = _as_tuple(self.pre(*flat))
+        microbatched = microbatch_dim is not None
+        natural = tree_map(lambda x: x.to(device) if not microbatched else
+                           x.to(device).movedim(microbatch_dim, 0).flatten(0, 1), inputs)
+        layout = make_layout(tree_flatten(natural)[0][0].shape[0], self.chunks, self.stages, self.data)
+        with ShardableOps(), self.batch_norm.updating():
+            stream, *skips = _as_tuple(self.pre(*natural))
+        slots = to_slots(stream, layout, microbatched)
         # Features flattened: torch_xla shards tensors of at most 5 dims.
-        slots = self._shard_batch(stream.reshape(self.stages * self.data, layout.slots, layout.rows, -1))
+        slots = self._shard_batch(slots.reshape(self.stages * self.data, layout.slots, layout.rows, -1))
         finished = self._run_clocks(slots, layout, tuple(stream.shape[1:]))
-        with ShardableOps():
-            output = self.post(finished.reshape(stream.shape), *skips)
-        return tree_map(lambda y: from_slots(y, layout, microbatch_dim), output)
+        finished = from_slots(finished.reshape(layout.padded_batch, *stream.shape[1:]), layout, microbatched)
+        with ShardableOps(), self.batch_norm.updating():
+            output = self.post(finished, *skips)
+        check_outputs(output, layout.batch)
+        if not microbatched:
+            return output
+        return tree_map(lambda y: y.unflatten(0, (self.chunks, -1)).movedim(0, microbatch_dim), output)
+
+    def _check_flags_unchanged(self) -> None:
+        """``requires_grad`` of a block weight is read once, when the body is stacked."""
+        for named, frozen in zip(self._block_parameters, self._frozen):
+            for (name, parameter), was_frozen in zip(named, frozen):
+                if parameter.requires_grad == was_frozen:
+                    raise ValueError(
+                        f"module: requires_grad of {name!r} changed after the Pipe was built; the spmd "
+                        "executor stacks the blocks' weights when it is built. Set requires_grad before "
+                        "wrapping the model (or build a new Pipe)")
 
     def _run_clocks(self, slots: torch.Tensor, layout: Layout, features: tuple[int, ...]) -> torch.Tensor:
         inputs, outputs = (torch.tensor(t, device=slots.device) for t in column_tables(
             gpipe(self.stages, layout.padded_chunks), layout))
+        clocks = torch.arange(len(inputs), dtype=torch.int32, device=slots.device)
+        keys = cell_keys(self._step_seed(slots.device), clocks, self.stages, self.data)
         state = self._shard_batch(slots.new_zeros(slots.shape[0], *slots.shape[2:]))
         finished = self._shard_batch(torch.zeros_like(slots))
         valid = self._shard_batch(self._valid_mask(slots))
-        weights = tuple(self._shard_batch(self._per_replica(w)) for w in self.body.weights)
+        weights = tuple(self._shard_batch(self._per_replica(w)) for w in self.body.effective_weights())
         carry = (state, slots, finished, valid, weights)
         # GPipe's "except_last": the clocks from the last microbatch's entry on keep their activations.
         plain_from = {"always": len(inputs), "never": 0, "except_last": layout.padded_chunks - 1}[self.checkpoint]
         for start, end, recomputed in ((0, plain_from, True), (plain_from, len(inputs), False)):
             if end > start:
-                carry, _ = scan(self._tick(recomputed, features), carry, (inputs[start:end], outputs[start:end]),
-                                is_fn_pure=True)
+                columns = (inputs[start:end], outputs[start:end], keys[start:end])
+                carry, _ = scan(self._tick(recomputed, features), carry, columns, is_fn_pure=True)
         return carry[2]
+
+    def _step_seed(self, device: torch.device) -> torch.Tensor:
+        """A seed for this step's dropout masks, from torch's default generator
+        (``torch.manual_seed`` makes a run repeatable); data, so no recompile."""
+        seed = torch.randint(0, 2**31 - 1, (), dtype=torch.int32) if self.training else torch.zeros((), dtype=torch.int32)
+        return seed.to(device)
 
     def _tick(self, recomputed: bool, features: tuple[int, ...]) -> Callable:
         """The loop body for one feature shape; kept, so that scan's trace cache finds it again."""
-        key = (recomputed, features)
+        modes = tuple(module.training for module in self._template[0].modules())  # dropout on or off
+        key = (recomputed, features, modes)
         if key not in self._ticks:
             run = partial(self._run_stages, features)
             stages = partial(self._recomputed_stages, run) if recomputed else run
             self._ticks[key] = make_tick(self.stages, self.data, stages)
         return self._ticks[key]
 
-    def _run_stages(self, features: tuple[int, ...], weights: tuple[torch.Tensor, ...], valid: torch.Tensor,
-                    state: torch.Tensor) -> torch.Tensor:
+    def _run_stages(self, features: tuple[int, ...], weights: tuple[torch.Tensor, ...],
+                    valid: torch.Tensor, state: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
         """All stages on all data replicas at once: ``[S * D, rows, F] -> same``."""
-        return torch.vmap(partial(self._run_one_stage, features))(weights, valid, state)
+        return torch.vmap(partial(self._run_one_stage, features))(weights, valid, state, keys)
 
     @staticmethod
     def _recomputed_stages(run: Callable, weights: tuple[torch.Tensor, ...], valid: torch.Tensor,
-                           state: torch.Tensor) -> torch.Tensor:
-        return recompute(lambda v, s, *w: run(w, v, s), valid, state, *weights)
+                           state: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+        return recompute(lambda v, s, k, *w: run(w, v, s, k), valid, state, keys, *weights)
 
     def _run_one_stage(self, features: tuple[int, ...], weights: tuple[torch.Tensor, ...], valid: torch.Tensor,
-                       x: torch.Tensor) -> torch.Tensor:
+                       x: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
         """One stage's ``K`` block slots on one replica; empty slots pass ``x`` through.
 
-        ``x`` is ``[rows, F]`` (the features flattened), each weight ``[K, numel]``.
+        ``x`` is ``[rows, F]`` (the features flattened), each weight ``[K, numel]``,
+        ``key`` the int32 key of the cell (see :mod:`xpipe.spmd.dropout`).
         """
         x = x.view(x.shape[0], *features)
         for slot in range(self.depth):
             params = {name: w[slot].view(shape)
-                      for name, w, shape in zip(self.block_names, weights, self.body.shapes)}
-            with ShardableOps():
+                      for name, w, shape in zip(self.body.names, weights, self.body.shapes)}
+            with ShardableOps(), hashed_dropout(key, slot):
                 y = functional_call(self._template[0], params, (x,))
             x = torch.where(valid[slot] > 0, y, x)
         return x.flatten(1)
@@ -163,44 +222,96 @@ class StackedWeights(nn.Module):
     """The body's parameters, one ``[S, K, numel]`` tensor per block parameter.
 
     Flattened because torch_xla shards tensors of at most 5 dims; ``shapes`` keeps
-    each block parameter's own shape.
+    each block parameter's own shape. A block parameter that some blocks freeze
+    (``requires_grad=False``) and others train is held twice: the trainable
+    blocks' values in the Parameter (zero where a block is frozen, so weight decay
+    has nothing to shrink there) and the frozen blocks' values in a buffer; the
+    loop reads each slot from the right one, so frozen blocks never change.
     """
 
-    def __init__(self, names: list[str], shapes: list[torch.Size], tensors: list[torch.Tensor]) -> None:
+    def __init__(self, names: list[str], shapes: list[torch.Size], slots: list[tuple[int, int]]) -> None:
         super().__init__()
         self.names = names
         self.shapes = shapes
-        for name, tensor in zip(names, tensors):
-            self.register_parameter(_attribute(name), nn.Parameter(tensor))
+        self.slots = slots  # (stage, slot) of each block
+        self.trainable: dict[str, torch.Tensor] = {}  # name -> [S, K, 1] bool on the device, mixed ones only
+        self.frozen_slots: dict[str, set[tuple[int, int]]] = {}  # name -> (stage, slot)s it freezes
+
+    @classmethod
+    def from_blocks(cls, blocks: list[torch.fx.GraphModule], slots: list[tuple[int, int]],
+                    device: torch.device, mesh: xs.Mesh) -> StackedWeights:
+        named = [list(block.named_parameters()) for block in blocks]
+        names = [name for name, _ in named[0]]
+        module = cls(names, [p.shape for _, p in named[0]], slots)
+        stages, depth = max(s for s, _ in slots) + 1, max(k for _, k in slots) + 1
+        for index, name in enumerate(names):
+            values = [parameters[index][1] for parameters in named]
+            grid = torch.zeros(stages, depth, values[0].numel(), dtype=values[0].dtype)
+            trains = torch.zeros(stages, depth, 1, dtype=torch.bool)
+            for (stage, slot), value in zip(slots, values):
+                grid[stage, slot] = value.detach().flatten()
+                trains[stage, slot] = value.requires_grad
+            module._register(name, grid, trains, [v.requires_grad for v in values], device, mesh)
+            module.frozen_slots[name] = {place for place, v in zip(slots, values) if not v.requires_grad}
+        return module
+
+    def _register(self, name: str, grid: torch.Tensor, trains: torch.Tensor, flags: list[bool],
+                  device: torch.device, mesh: xs.Mesh) -> None:
+        attribute = _attribute(name)
+        mixed = any(flags) and not all(flags)
+        parameter = nn.Parameter((grid * trains if mixed else grid).to(device), requires_grad=any(flags))
+        self.register_parameter(attribute, parameter)
+        xs.mark_sharding(parameter, mesh, ("stage", None, None))
+        if mixed:
+            frozen = (grid * ~trains).to(device)
+            self.register_buffer(attribute + "__frozen", frozen)
+            xs.mark_sharding(frozen, mesh, ("stage", None, None))
+            self.trainable[name] = trains.to(device)
 
     @property
     def weights(self) -> list[nn.Parameter]:
         return [getattr(self, _attribute(name)) for name in self.names]
+
+    def effective_weights(self) -> list[torch.Tensor]:
+        """The weights the blocks run with: each slot from its Parameter or, if frozen, its buffer."""
+        return [torch.where(self.trainable[name], weight, getattr(self, _attribute(name) + "__frozen"))
+                if name in self.trainable else weight for name, weight in zip(self.names, self.weights)]
+
+    def block_tensor(self, index: int, block: int) -> torch.Tensor:
+        """Block ``block``'s value of parameter ``index``, a view of the tensor that holds it."""
+        name = self.names[index]
+        stage, slot = self.slots[block]
+        holder = self.weights[index]
+        if name in self.trainable and (stage, slot) in self.frozen_slots[name]:
+            holder = getattr(self, _attribute(name) + "__frozen")
+        return holder[stage, slot].view(self.shapes[index])
+
+    def block_grad(self, index: int, block: int) -> torch.Tensor | None:
+        """The gradient of block ``block``'s parameter ``index``; ``None`` if frozen or not computed."""
+        stage, slot = self.slots[block]
+        weight = self.weights[index]
+        if (stage, slot) in self.frozen_slots[self.names[index]] or weight.grad is None:
+            return None
+        return weight.grad[stage, slot].view(self.shapes[index])
 
 
 def _attribute(name: str) -> str:
     return name.replace(".", "__")
 
 
-def _stack_blocks(blocks: list[torch.fx.GraphModule], per_stage: tuple[int, ...], depth: int,
-                  device: torch.device, mesh: xs.Mesh) -> StackedWeights:
-    names = [name for name, _ in blocks[0].named_parameters()]
-    per_block = [list(block.parameters()) for block in blocks]
-    stacked = []
-    for index in range(len(names)):
-        like = per_block[0][index]
-        grid = torch.zeros(len(per_stage), depth, like.numel(), dtype=like.dtype)
-        block = 0
-        for stage, count in enumerate(per_stage):
-            for slot in range(count):
-                grid[stage, slot] = per_block[block][index].detach().flatten()
-                block += 1
-        stacked.append(grid.to(device))
-    module = StackedWeights(names, [p.shape for p in per_block[0]], stacked)
-    for parameter, original in zip(module.weights, per_block[0]):
-        parameter.requires_grad_(original.requires_grad)
-        xs.mark_sharding(parameter, mesh, ("stage", None, None))
-    return module
+def _state_sources(stacked: StackedModel, keys: list[str]) -> dict[str, nn.Module | tuple[int, int]]:
+    """Where each state_dict key lives: in ``pre`` or ``post``, or (parameter index, block)."""
+    sources: dict[str, nn.Module | tuple[int, int]] = {}
+    for block, module in enumerate(stacked.blocks):
+        for index, (name, _) in enumerate(module.named_parameters()):
+            sources[name] = (index, block)
+    for module in (stacked.pre, stacked.post):
+        for name in module.state_dict(keep_vars=True):
+            sources.setdefault(name, module)
+    unused = [key for key in keys if key not in sources]
+    if unused:
+        raise ValueError(f"module: {unused} are never used by forward; remove them before pipelining")
+    return sources
 
 
 def spread(blocks: int, stages: int) -> tuple[int, ...]:

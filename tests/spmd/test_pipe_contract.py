@@ -1,0 +1,185 @@
+"""Ordinary user programs under the spmd executor: never a silently wrong result.
+
+The spmd executor replaces the repeated blocks' weights by stacked tensors of its
+own; everything that still points at the old ones (an optimizer, the model's
+state dict) must fail loudly. Frozen blocks stay frozen, dropout runs in the
+stacked blocks (a new mask per block, microbatch and replica; the same mask when
+recomputed), BatchNorm outside the body sees exactly the rows given, and a last
+batch that does not split runs. Numbers are compared with the unpipelined model.
+"""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+import torch_xla
+from torch import nn
+
+import xpipe
+from equivalence import assert_pipe_matches
+from pipe_checks import ATOL, RTOL, batch_for, loss_of, tiny_mlp
+from xpipe.models import MLPBlock
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    return xpipe.make_mesh(4, 2)
+
+
+def test_stale_handles_to_the_stacked_blocks_fail_loudly(mesh):
+    model = tiny_mlp(blocks=4)
+    early = torch.optim.SGD(model.parameters(), lr=0.1)  # built before wrapping
+    pipe = xpipe.Pipe(model, chunks=4, mesh=mesh)
+    late = torch.optim.SGD(model.parameters(), lr=0.1)  # built after, on the model instead of the pipe
+    batch, targets = batch_for(model, 8)
+    loss_of(pipe(batch), targets.to(pipe.devices[0])).backward()
+    for optimizer in (early, late):
+        with pytest.raises(RuntimeError, match=r"optimizer: this SGD holds parameters of a model that an "
+                                               r"xpipe.Pipe \(spmd executor\) took over.*pipe.parameters\(\)"):
+            optimizer.step()
+    with pytest.raises(RuntimeError, match=r"module: Sequential.state_dict\(\) would return stale weights.*"
+                                           r"Use pipe.state_dict\(\)"):
+        model.state_dict()
+    with pytest.raises(RuntimeError, match=r"Use pipe.load_state_dict\(\)"):
+        model.load_state_dict(pipe.state_dict())
+    torch.optim.SGD(pipe.parameters(), lr=0.1).step()  # the right handle trains
+
+
+@pytest.mark.parametrize("frozen", [(1, 2), (3,)])
+def test_frozen_blocks_stay_frozen_and_the_rest_train_as_unpipelined(mesh, frozen):
+    """AdamW with weight decay: a frozen block that received zero gradients would still decay."""
+    model = tiny_mlp(blocks=4)
+    for block in frozen:
+        model[1 + block].requires_grad_(False)
+    reference = copy.deepcopy(model)
+    pipe = xpipe.Pipe(model, chunks=4, mesh=mesh)
+    optimizer = torch.optim.AdamW(pipe.parameters(), lr=0.01, weight_decay=0.5)
+    reference_optimizer = torch.optim.AdamW([p for p in reference.parameters() if p.requires_grad], lr=0.01,
+                                            weight_decay=0.5)
+    batch, targets = batch_for(model, 8)
+    for _ in range(2):
+        loss_of(pipe(batch), targets.to(pipe.devices[0])).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        torch_xla.sync()
+        loss_of(reference(batch), targets).backward()
+        reference_optimizer.step()
+        reference_optimizer.zero_grad()
+    initial = tiny_mlp(blocks=4).state_dict()
+    for name, value in pipe.state_dict().items():
+        torch.testing.assert_close(value.cpu(), reference.state_dict()[name], rtol=RTOL, atol=ATOL,
+                                   msg=lambda m, name=name: f"{name}: {m}")
+        block = int(name.split(".")[0]) - 1
+        if block in frozen:
+            torch.testing.assert_close(value.cpu(), initial[name], rtol=0, atol=0)
+    assert all(pipe.named_gradients()[f"{1 + block}.up.weight"] is None for block in frozen)
+
+
+def test_changing_requires_grad_after_wrapping_is_refused(mesh):
+    model = tiny_mlp(blocks=4)
+    pipe = xpipe.Pipe(model, chunks=4, mesh=mesh)
+    model[2].requires_grad_(False)
+    with pytest.raises(ValueError, match="module: requires_grad of '2.norm.weight' changed after the Pipe was built"):
+        pipe(batch_for(model, 8)[0])
+
+
+def identity_linear(width: int) -> nn.Linear:
+    linear = nn.Linear(width, width)
+    with torch.no_grad():
+        linear.weight.copy_(torch.eye(width))
+        linear.bias.zero_()
+    return linear
+
+
+class DropoutBlock(nn.Module):
+    """``dropout(linear(x))``, the linear layer starting as the identity."""
+
+    def __init__(self, width: int, p: float) -> None:
+        super().__init__()
+        self.linear = identity_linear(width)
+        self.dropout = nn.Dropout(p)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dropout(self.linear(x))
+
+
+def dropout_model(p: float, blocks: int = 4, width: int = 64) -> nn.Sequential:
+    """Identity layers around ``blocks`` dropout blocks: at the start, the output of a
+    row of ones is zero wherever some block dropped the element."""
+    torch.manual_seed(0)
+    return nn.Sequential(identity_linear(width), *(DropoutBlock(width, p) for _ in range(blocks)),
+                         identity_linear(width))
+
+
+def test_dropout_in_the_body_drops_at_its_rate_with_a_new_mask_per_row(mesh):
+    """Four blocks of p = 0.1: an element survives with (1 - p)^4. Every row is the same
+    input, in another microbatch, replica or position, so equal masks would show as equal rows."""
+    p, blocks, rows, width = 0.1, 4, 256, 64
+    pipe = xpipe.Pipe(dropout_model(p, blocks, width), chunks=8, mesh=mesh, checkpoint="never")
+    torch.manual_seed(1)
+    with torch.no_grad():
+        survived = pipe(torch.ones(rows, width)).cpu() != 0
+    rate = 1 - survived.float().mean().item() ** (1 / blocks)
+    assert abs(rate - p) < 0.01, f"measured dropout rate {rate:.4f}, expected {p} (over {rows * width} elements)"
+    assert len({tuple(row.tolist()) for row in survived}) == rows, "every row has a mask of its own"
+
+
+def test_recomputed_and_kept_microbatches_get_the_same_masks(mesh):
+    gradients = {}
+    for checkpoint in ("always", "never"):
+        model = dropout_model(0.3)
+        pipe = xpipe.Pipe(model, chunks=8, mesh=mesh, checkpoint=checkpoint)
+        batch = torch.randn(16, 64, generator=torch.Generator().manual_seed(2))
+        torch.manual_seed(3)
+        pipe(batch).square().mean().backward()
+        torch_xla.sync()
+        gradients[checkpoint] = {name: grad.cpu() for name, grad in pipe.named_gradients().items()}
+    for name, kept in gradients["never"].items():
+        torch.testing.assert_close(gradients["always"][name], kept, rtol=RTOL, atol=ATOL,
+                                   msg=lambda m, name=name: f"{name}: {m}")
+
+
+def test_train_and_eval_reach_the_stacked_blocks(mesh):
+    model = dropout_model(0.5)
+    reference = copy.deepcopy(model).eval()
+    model.eval()  # in eval mode before wrapping, as when a checkpoint is loaded for fine-tuning
+    pipe = xpipe.Pipe(model, chunks=4, mesh=mesh)
+    batch = torch.randn(8, 64, generator=torch.Generator().manual_seed(4))
+    torch.testing.assert_close(pipe(batch).detach().cpu(), reference(batch), rtol=RTOL, atol=ATOL)
+    pipe.train()
+    assert not torch.allclose(pipe(batch).detach().cpu(), reference(batch), rtol=RTOL, atol=ATOL), \
+        "pipe.train() turns the blocks' dropout on"
+    pipe.eval()
+    torch.testing.assert_close(pipe(batch).detach().cpu(), reference(batch), rtol=RTOL, atol=ATOL)
+
+
+def test_torchs_own_transformer_encoder_layers_train_with_dropout(mesh):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), *(nn.TransformerEncoderLayer(16, 2, 32, dropout=0.1, batch_first=True)
+                                              for _ in range(4)), nn.Linear(16, 8))
+    reference = copy.deepcopy(model).eval()
+    pipe = xpipe.Pipe(model, chunks=4, mesh=mesh)
+    batch = torch.randn(8, 5, 8, generator=torch.Generator().manual_seed(5))
+    pipe(batch).square().mean().backward()  # train mode: dropout inside attention and the MLP
+    torch_xla.sync()
+    assert all(g is not None and torch.isfinite(g.cpu()).all() for g in pipe.named_gradients().values())
+    pipe.eval()
+    torch.testing.assert_close(pipe(batch).detach().cpu(), reference(batch), rtol=RTOL, atol=ATOL)
+
+
+def test_batch_norm_before_the_body_sees_exactly_the_rows_given(mesh):
+    """chunks=6 on 4 stages pads the body with two empty microbatches; BatchNorm in
+    the layers before it must not count them (outputs, gradients, running statistics)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), *(MLPBlock(16) for _ in range(4)), nn.Linear(16, 4))
+    batch = torch.randn(12, 8, generator=torch.Generator().manual_seed(6))
+    targets = torch.randn(12, 4, generator=torch.Generator().manual_seed(7))
+    assert_pipe_matches(model, batch, targets, F.mse_loss, chunks=6, mesh=mesh)
+
+
+@pytest.mark.parametrize("rows", [6, 3])
+def test_a_last_batch_that_does_not_split_still_runs(mesh, rows):
+    model = tiny_mlp(blocks=4)
+    batch, targets = batch_for(model, rows)
+    assert_pipe_matches(model, batch, targets, loss_of, chunks=4, mesh=mesh)

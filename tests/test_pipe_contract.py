@@ -143,6 +143,20 @@ def test_outputs_that_break_the_batch_contract_are_refused():
         pipe(batch(8))
 
 
+def test_outputs_that_are_not_tensors_are_refused():
+    class CountsToo(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 4)
+
+        def forward(self, x):
+            return self.b(self.a(x)), "rows"
+
+    pipe = xpipe.Pipe(CountsToo(), chunks=2, stages=2, executor="devices")
+    with pytest.raises(TypeError, match="module: output 1 is a str; a pipelined model returns tensors"):
+        pipe(batch(8))
+
+
 def test_inputs_with_different_batch_sizes_are_refused():
     class TwoInputs(nn.Module):
         def __init__(self):
@@ -263,3 +277,14 @@ def test_tuples_into_the_model_and_across_a_cut_carry_their_gradients():
     pair = (batch(8), batch(8, seed=1))
     assert_pipe_matches(model, pair, batch(8, 4, seed=2), F.mse_loss, chunks=4, stages=3, executor="devices",
                         checkpoint="except_last")
+
+
+@pytest.mark.parametrize("checkpoint", ["always", "never"])
+def test_batch_norm_in_eval_mode_differentiates(checkpoint):
+    """Fine-tuning with frozen statistics: eval-mode BatchNorm through backward, as the
+    unpipelined model computes it (torch_xla's own eval-mode backward fails)."""
+    model = bn_model()
+    model[1].eval()
+    model[4].eval()
+    assert_pipe_matches(model, batch(16), batch(16, 4, seed=1), F.mse_loss, chunks=4, stages=3,
+                        executor="devices", checkpoint=checkpoint)

@@ -12,6 +12,8 @@ Both executors run the model's BatchNorm layers through :class:`RunningStatistic
   up and :meth:`RunningStatistics.commit` moves the statistics once, with the whole
   mini-batch's mean and unbiased variance: what the unpipelined model's become.
 - A recomputed microbatch (checkpointing) normalises again and moves nothing.
+- In eval mode the layers normalise with elementwise ops, which torch_xla can
+  differentiate (its own eval-mode BatchNorm fails in the backward).
 """
 
 from __future__ import annotations
@@ -100,8 +102,21 @@ class _Intercept(TorchFunctionMode):
     def _batch_norm(self, x, running_mean, running_var, weight=None, bias=None, training=False, momentum=0.1,
                     eps=1e-5):
         key = id(running_mean)
+        if not training and running_mean is not None:
+            return _normalized(x, running_mean, running_var, weight, bias, eps)
         if not training or key not in self.statistics.layers:
             return F.batch_norm(x, running_mean, running_var, weight, bias, training, momentum, eps)
         if self.update:
             self.statistics.observe(key, x, momentum)
         return F.batch_norm(x, None, None, weight, bias, True, 0.0, eps)
+
+
+def _normalized(x: torch.Tensor, mean: torch.Tensor, var: torch.Tensor, weight: torch.Tensor | None,
+                bias: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """Eval-mode batch norm from elementwise ops: torch_xla 2.9's own fails in the
+    backward ("The size of mean should be compatible with feature count")."""
+    shape = (1, -1) + (1,) * (x.dim() - 2)
+    y = (x - mean.view(shape)) * torch.rsqrt(var.view(shape) + eps)
+    if weight is not None:
+        y = y * weight.view(shape)
+    return y + bias.view(shape) if bias is not None else y

@@ -80,7 +80,7 @@ def send(x: torch.Tensor, src: int, dst: int, *, mesh: xs.Mesh, axis: str = "sta
     yields a single source-target pair for positions other than the first.
     ``src == dst`` moves nothing.
     """
-    n = _stack_size(x, mesh, axis)
+    n = _stack_size(x, _required(mesh), axis)
     _check_position(src, n, "src", axis)
     _check_position(dst, n, "dst", axis)
     moved = x if src == dst else _Move.apply(x, _shift_with_zeros, dst - src)
@@ -91,7 +91,7 @@ def broadcast(x: torch.Tensor, src: int, *, mesh: xs.Mesh, axis: str = "stage") 
     """Every slice becomes slice ``src``. Lowers to one all-reduce (of ``x`` with all
     other slices masked to zero); its gradient, the sum of all slices' gradients
     delivered to ``src``, is one all-reduce too."""
-    n = _stack_size(x, mesh, axis)
+    n = _stack_size(x, _required(mesh), axis)
     _check_position(src, n, "src", axis)
     chosen = (x * _one_hot(src, x)).sum(0, keepdim=True)
     return _stacked(chosen.expand(x.shape), mesh, axis)
@@ -114,7 +114,7 @@ def gather(x: torch.Tensor, dst: int, dim: int, *, mesh: xs.Mesh, axis: str = "s
     Lowers to one all-gather whose result is kept at ``dst`` only: XLA has no
     gather-to-one collective.
     """
-    n = _stack_size(x, mesh, axis)
+    n = _stack_size(x, _required(mesh), axis)
     _check_position(dst, n, "dst", axis)
     _check_dim(x, dim, "dim")
     return _stacked(_everyone_gathers(x, dim) * _one_hot(dst, x), mesh, axis)
@@ -124,7 +124,7 @@ def reduce(x: torch.Tensor, dst: int, op: str = "sum", *, mesh: xs.Mesh, axis: s
     """Slice ``dst`` becomes ``op`` over all slices (``"sum"``, ``"mean"``, ``"max"``,
     ``"min"``); the others are zeros. Lowers to one all-reduce: XLA has no
     reduce-to-one collective."""
-    n = _stack_size(x, mesh, axis)
+    n = _stack_size(x, _required(mesh), axis)
     _check_position(dst, n, "dst", axis)
     _check_op(op)
     total = _reduced(x, op)
@@ -134,7 +134,7 @@ def reduce(x: torch.Tensor, dst: int, op: str = "sum", *, mesh: xs.Mesh, axis: s
 def all_gather(x: torch.Tensor, dim: int, *, mesh: xs.Mesh, axis: str = "stage") -> torch.Tensor:
     """Every slice becomes all slices concatenated along ``dim``. Lowers to one
     all-gather; its peak device memory is its output plus its input."""
-    _stack_size(x, mesh, axis)
+    _stack_size(x, _required(mesh), axis)
     _check_dim(x, dim, "dim")
     return _stacked(_everyone_gathers(x, dim), mesh, axis)
 
@@ -149,7 +149,7 @@ def reduce_scatter(x: torch.Tensor, dim: int, op: str = "sum", *, mesh: xs.Mesh,
     pipeline to an all-reduce of the whole input followed by a slice: input plus
     twice the input.)
     """
-    n = _stack_size(x, mesh, axis)
+    n = _stack_size(x, _required(mesh), axis)
     _check_dim(x, dim, "dim")
     _check_divisible(x, dim, n, "dim")
     _check_op(op)
@@ -170,7 +170,7 @@ def all_to_all(x: torch.Tensor, split_dim: int, concat_dim: int, *, mesh: xs.Mes
                axis: str = "stage") -> torch.Tensor:
     """Slice ``i`` becomes chunk ``i`` (along ``split_dim``) of every slice,
     concatenated along ``concat_dim`` in slice order. Lowers to one all-to-all."""
-    n = _stack_size(x, mesh, axis)
+    n = _stack_size(x, _required(mesh), axis)
     _check_dim(x, split_dim, "split_dim")
     _check_dim(x, concat_dim, "concat_dim")
     _check_divisible(x, split_dim, n, "split_dim")
@@ -264,12 +264,17 @@ def _stacked_if(x: torch.Tensor, mesh: xs.Mesh | None, axis: str) -> torch.Tenso
 
 
 def _axis_size(mesh: xs.Mesh, axis: str) -> int:
+    if axis not in _required(mesh).axis_names:
+        raise ValueError(f"axis: the mesh has axes {tuple(mesh.axis_names)}, not {axis!r}; pass one of them")
+    return int(mesh.mesh_shape[mesh.axis_names.index(axis)])
+
+
+def _required(mesh: xs.Mesh | None) -> xs.Mesh:
+    """``mesh``, which every move but ``shift`` and ``rotate`` needs to place its result."""
     if not isinstance(mesh, xs.Mesh):
         raise TypeError(f"mesh: expected a torch_xla.distributed.spmd.Mesh, got {type(mesh).__name__}; "
                         "pass mesh=xpipe.make_mesh(stages) (or the Pipe's pipe.mesh)")
-    if axis not in mesh.axis_names:
-        raise ValueError(f"axis: the mesh has axes {tuple(mesh.axis_names)}, not {axis!r}; pass one of them")
-    return int(mesh.mesh_shape[mesh.axis_names.index(axis)])
+    return mesh
 
 
 def _stack_size(x: torch.Tensor, mesh: xs.Mesh | None, axis: str) -> int:

@@ -222,3 +222,6 @@ def test_bad_arguments_name_themselves(mesh):
         collectives.shift(x, 4)
     with pytest.raises(TypeError, match="mesh: expected a torch_xla.distributed.spmd.Mesh, got str"):
         collectives.all_gather(x, 1, mesh="stage")
+    with pytest.raises(TypeError, match=r"mesh: expected a torch_xla.distributed.spmd.Mesh, got NoneType; "
+                                        r"pass mesh=xpipe.make_mesh\(stages\)"):
+        collectives.broadcast(x, 0, mesh=None)

@@ -14,11 +14,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 import torch_xla
+import torch_xla.debug.metrics as metrics
 from torch import nn
 
 import xpipe
 from equivalence import assert_pipe_matches
-from pipe_checks import ATOL, RTOL, batch_for, loss_of, tiny_mlp
+from pipe_checks import ATOL, RTOL, batch_for, loss_of, tiny_lm, tiny_mlp
 from xpipe.models import MLPBlock
 
 
@@ -116,7 +117,7 @@ def test_dropout_in_the_body_drops_at_its_rate_with_a_new_mask_per_row(mesh):
     """Four blocks of p = 0.1: an element survives with (1 - p)^4. Every row is the same
     input, in another microbatch, replica or position, so equal masks would show as equal rows."""
     p, blocks, rows, width = 0.1, 4, 256, 64
-    pipe = xpipe.Pipe(dropout_model(p, blocks, width), chunks=8, mesh=mesh, checkpoint="never")
+    pipe = xpipe.Pipe(dropout_model(p, blocks, width), chunks=8, mesh=mesh)
     torch.manual_seed(1)
     with torch.no_grad():
         survived = pipe(torch.ones(rows, width)).cpu() != 0
@@ -183,3 +184,39 @@ def test_a_last_batch_that_does_not_split_still_runs(mesh, rows):
     model = tiny_mlp(blocks=4)
     batch, targets = batch_for(model, rows)
     assert_pipe_matches(model, batch, targets, loss_of, chunks=4, mesh=mesh)
+
+
+def test_inputs_that_require_grad_get_their_gradients(mesh):
+    model = tiny_mlp(blocks=4)
+    reference = copy.deepcopy(model)
+    pipe = xpipe.Pipe(model, chunks=4, mesh=mesh)
+    x = batch_for(model, 8)[0].requires_grad_()
+    x_reference = x.detach().clone().requires_grad_()
+    pipe(x).square().sum().backward()
+    torch_xla.sync()
+    reference(x_reference).square().sum().backward()
+    torch.testing.assert_close(x.grad, x_reference.grad, rtol=RTOL, atol=ATOL)
+
+
+def test_bfloat16_trains_compiles_once_and_stays_near_float32(mesh):
+    """A bf16 model (weights and activations) runs through the clock loop, whose carry
+    must keep its dtype; its loss stays within bf16's precision of the float32 run's."""
+    model = tiny_lm()
+    reference = copy.deepcopy(model)
+    pipe = xpipe.Pipe(model.to(torch.bfloat16), chunks=4, mesh=mesh)
+    optimizer = torch.optim.SGD(pipe.parameters(), lr=0.1)
+    batch, targets = batch_for(model, 8)
+    compiles, losses = [], []
+    for _ in range(5):
+        loss = loss_of(pipe(batch).float(), targets.to(pipe.devices[0]))
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        torch_xla.sync()
+        losses.append(loss.item())
+        compiles.append(metrics.metric_data("CompileTime")[0])
+    assert compiles[1:] == [compiles[0]] * 4, f"compiles after each step: {compiles}"
+    assert pipe.runner.body.weights[0].dtype == torch.bfloat16
+    expected = loss_of(reference(batch), targets).item()
+    assert abs(losses[0] - expected) < 2e-2 * abs(expected), (losses[0], expected)  # bf16: 8 mantissa bits
+    assert losses[-1] < losses[0]

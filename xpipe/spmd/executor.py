@@ -139,7 +139,7 @@ class SpmdPipeline(nn.Module):
                         "wrapping the model (or build a new Pipe)")
 
     def _run_clocks(self, slots: torch.Tensor, layout: Layout, features: tuple[int, ...]) -> torch.Tensor:
-        inputs, outputs = (torch.tensor(t, device=slots.device) for t in column_tables(
+        inputs, outputs = (torch.tensor(t, device=slots.device, dtype=slots.dtype) for t in column_tables(
             gpipe(self.stages, layout.padded_chunks), layout))
         clocks = torch.arange(len(inputs), dtype=torch.int32, device=slots.device)
         keys = cell_keys(self._step_seed(slots.device), clocks, self.stages, self.data)

@@ -1,10 +1,9 @@
-"""The module graph: a model traced by torch.fx into a networkx graph of layers.
+"""The module graph: a model, captured (:mod:`xpipe.capture`), as a networkx graph of layers.
 
-A *layer* is one call of a submodule in the model's forward. xpipe traces through
-the root module and through containers (``nn.Sequential``, ``nn.ModuleList``,
-``nn.ModuleDict``); every other submodule is a single layer, so a transformer
-block stays one unit that a stage boundary never cuts. Plain tensor operations
-written between layers (a residual add, a reshape) belong to the layer they follow.
+A *layer* is one call of one of the model's own submodules; a transformer block
+stays one unit that a stage boundary never cuts, however deep the model nests
+its blocks. Plain tensor operations written between layers (a residual add, a
+reshape) belong to the layer they follow.
 
 Nodes of the returned ``networkx.DiGraph`` are layer names (the qualified module
 name, e.g. ``"blocks.3"``) plus one node per forward input and one ``"output"``
@@ -37,7 +36,8 @@ import torch.fx
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
-CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
+from xpipe.capture import flat_inputs, trace_layers
+
 OUTPUT = "output"
 
 
@@ -47,136 +47,36 @@ def module_graph(
     """Trace ``module`` into a graph of layers, annotated with their costs.
 
     Args:
-        module: the model. Its forward (and that of any container in it) must be
-            traceable by torch.fx; other submodules are not traced into.
-        sample_input: a tensor, or a tuple of tensors, for one forward call. With it,
-            layers get output shapes, FLOPs, activation bytes and (optionally) time.
-            The forward runs on the module's own device; buffers (BatchNorm running
-            statistics) and the global RNG state are left as they were.
+        module: the model, captured as :mod:`xpipe.capture` describes (torch.fx,
+            or torch.export on ``sample_input`` for models fx cannot trace).
+        sample_input: a tensor, a tuple of positional inputs or a dict of keyword
+            inputs, for one forward call. With it, layers get output shapes, FLOPs,
+            activation bytes and (optionally) time. The forward runs on the
+            module's own device; buffers (BatchNorm running statistics) and the
+            global RNG state are left as they were.
         measure_time: also time each layer's forward (needs ``sample_input``).
 
     Returns:
         A ``networkx.DiGraph`` as described in this module's docstring.
 
     Raises:
-        ValueError: if fx cannot trace the model, or the model has no submodules.
+        ValueError: if the model cannot be captured, or has no submodules.
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"module: expected a torch.nn.Module, got {type(module).__name__}")
     if measure_time and sample_input is None:
         raise ValueError("measure_time: timing layers needs sample_input= as well")
-    traced, layer_of = trace_layers(module)
+    traced, layer_of = trace_layers(module, sample_input)
     graph = _build_graph(module, traced, layer_of)
     if sample_input is not None:
-        values = _profile(module, traced, _as_args(sample_input), measure_time)
+        values = _profile(module, traced, flat_inputs(sample_input), measure_time)
         _annotate(graph, traced, layer_of, values, measure_time)
     return graph
-
-
-def trace_layers(module: nn.Module) -> tuple[torch.fx.GraphModule, dict[torch.fx.Node, str]]:
-    """Trace ``module`` and map each compute node of the trace to the layer that runs it.
-
-    The executors use this to cut the traced forward into stages.
-    """
-    traced = _trace(module)
-    return traced, _assign_layers(traced)
-
-
-def extract_module(
-    traced: torch.fx.GraphModule,
-    inputs: list[torch.fx.Node],
-    members: list[torch.fx.Node],
-    outputs: list[torch.fx.Node] | None,
-    name: str,
-    *,
-    output: torch.fx.Node | None = None,
-) -> torch.fx.GraphModule:
-    """A module that runs ``members`` of a trace, taking ``inputs`` as its arguments.
-
-    It returns ``outputs`` (one value, or a tuple of several) or, when ``output``
-    (the trace's output node) is given, what the model returns. Its submodules and
-    parameters are the original objects, not copies: the executors cut a model
-    into pieces this way and train the pieces in place.
-    """
-    graph = torch.fx.Graph()
-    env: dict[torch.fx.Node, torch.fx.Node] = {}
-    for node in inputs:
-        env[node] = graph.placeholder(node.name)
-    for node in members:
-        env[node] = graph.node_copy(node, lambda n: env[n])
-    if output is not None:
-        graph.output(torch.fx.map_arg(output.args[0], lambda n: env[n]))
-    else:
-        graph.output(env[outputs[0]] if len(outputs) == 1 else tuple(env[n] for n in outputs))
-    return torch.fx.GraphModule(traced, graph, class_name=name)
 
 
 def layer_names(graph: nx.DiGraph) -> list[str]:
     """Names of the layers of ``graph``, in execution order."""
     return list(graph.graph["layers"])
-
-
-class _LayerTracer(torch.fx.Tracer):
-    """Traces through the root and containers; remembers where tracing failed."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.failed_in: str | None = None
-
-    def is_leaf_module(self, module: nn.Module, qualified_name: str) -> bool:
-        return not isinstance(module, CONTAINERS)
-
-    def call_module(self, module, forward, args, kwargs):  # type: ignore[override]
-        try:
-            return super().call_module(module, forward, args, kwargs)
-        except Exception:
-            if self.failed_in is None:
-                self.failed_in = self.path_of_module(module)
-            raise
-
-
-def _trace(module: nn.Module) -> torch.fx.GraphModule:
-    tracer = _LayerTracer()
-    try:
-        graph = tracer.trace(module)
-    except Exception as error:
-        where = tracer.failed_in or type(module).__name__
-        raise ValueError(
-            f"module: torch.fx cannot trace {where!r} ({type(error).__name__}: {error}). "
-            "xpipe traces the model's forward and its nn.Sequential/ModuleList/ModuleDict "
-            "containers; move data-dependent Python control flow into a submodule of its "
-            "own (any other submodule is one layer and is not traced into), or wrap the "
-            "model as an nn.Sequential of such submodules and pass balance=[...]"
-        ) from error
-    return torch.fx.GraphModule(module, graph)
-
-
-def _assign_layers(traced: torch.fx.GraphModule) -> dict[torch.fx.Node, str]:
-    """Map every compute node to the layer that runs it."""
-    layer_of: dict[torch.fx.Node, str] = {}
-    pending: list[torch.fx.Node] = []
-    current: str | None = None
-    calls: dict[str, int] = {}
-    for node in traced.graph.nodes:
-        if node.op in ("placeholder", "output"):
-            continue
-        if node.op == "call_module":
-            seen = calls.get(node.target, 0)
-            calls[node.target] = seen + 1
-            current = node.target if seen == 0 else f"{node.target}#{seen}"
-            for waiting in pending:
-                layer_of[waiting] = current
-            pending.clear()
-        if current is None:
-            pending.append(node)
-        else:
-            layer_of[node] = current
-    if current is None:
-        raise ValueError(
-            "module: its forward calls no submodule, so there are no layers to split; "
-            "build the model from submodules (e.g. an nn.Sequential)"
-        )
-    return layer_of
 
 
 def _build_graph(
@@ -187,18 +87,16 @@ def _build_graph(
     graph.graph["inputs"] = inputs
     for name in inputs:
         graph.add_node(name, kind="input")
-    layers: list[str] = []
-    for node in traced.graph.nodes:
-        if node.op == "call_module":
-            name = layer_of[node]
-            layers.append(name)
-            graph.add_node(name, kind="layer", index=len(layers) - 1, module=node.target, ops=[])
+    layers = list(dict.fromkeys(layer_of[node] for node in traced.graph.nodes
+                                if node in layer_of and node.op != "get_attr"))  # in order of computing
+    for index, name in enumerate(layers):
+        graph.add_node(name, kind="layer", index=index, module=name.partition("#")[0], ops=[])
     graph.graph["layers"] = layers
     graph.add_node(OUTPUT, kind="output")
     for node in traced.graph.nodes:
         if node.op in ("call_function", "call_method"):
             graph.nodes[layer_of[node]]["ops"].append(_op_name(node))
-    _add_params(graph, traced, layer_of)
+    _add_params(graph, module, traced, layer_of)
     _add_edges(graph, traced, layer_of)
     return graph
 
@@ -209,23 +107,21 @@ def _op_name(node: torch.fx.Node) -> str:
 
 
 def _add_params(
-    graph: nx.DiGraph, traced: torch.fx.GraphModule, layer_of: dict[torch.fx.Node, str]
+    graph: nx.DiGraph, module: nn.Module, traced: torch.fx.GraphModule, layer_of: dict[torch.fx.Node, str]
 ) -> None:
-    """Count the parameters each layer uses (a tied parameter counts in each user)."""
-    used: dict[str, dict[int, torch.Tensor]] = {name: {} for name in graph.graph["layers"]}
+    """Count the parameters each layer uses: its module's, and any it reads itself
+    (a tied parameter counts in each user)."""
+    used: dict[str, dict[int, torch.Tensor]] = {}
+    for name in graph.graph["layers"]:
+        submodule = module.get_submodule(graph.nodes[name]["module"])
+        graph.nodes[name]["type"] = type(submodule).__name__
+        graph.nodes[name]["signature"] = _signature(submodule)
+        used[name] = {id(t): t for t in submodule.parameters()}
     for node in traced.graph.nodes:
-        if node.op == "call_module":
-            submodule = traced.get_submodule(node.target)
-            tensors = list(submodule.parameters())
-            graph.nodes[layer_of[node]]["type"] = type(submodule).__name__
-            graph.nodes[layer_of[node]]["signature"] = _signature(submodule)
-        elif node.op == "get_attr":
+        if node.op == "get_attr" and node in layer_of:
             attribute = _get_attr(traced, node.target)
-            tensors = [attribute] if isinstance(attribute, nn.Parameter) else []
-        else:
-            continue
-        for tensor in tensors:
-            used[layer_of[node]][id(tensor)] = tensor
+            if isinstance(attribute, nn.Parameter):
+                used[layer_of[node]][id(attribute)] = attribute
     for name, tensors in used.items():
         graph.nodes[name]["params"] = sum(t.numel() for t in tensors.values())
         graph.nodes[name]["param_bytes"] = sum(t.numel() * t.element_size() for t in tensors.values())
@@ -252,10 +148,12 @@ def _add_edges(
 ) -> None:
     """Add an edge wherever a value made in one layer (or input) is used in another."""
     for node in traced.graph.nodes:
-        if node.op == "placeholder":
+        if node.op == "placeholder" or (node.op != "output" and node not in layer_of):  # an unused read
             continue
         consumer = OUTPUT if node.op == "output" else layer_of[node]
         for source in node.all_input_nodes:
+            if source.op == "get_attr":
+                continue  # a weight read where it is used, not a value passed between layers
             producer = source.name if source.op == "placeholder" else layer_of[source]
             if producer == consumer:
                 continue
@@ -264,10 +162,6 @@ def _add_edges(
             tensors = graph.edges[producer, consumer]["tensors"]
             if all(t["name"] != source.name for t in tensors):
                 tensors.append({"name": source.name, "shape": None, "dtype": None, "bytes": 0})
-
-
-def _as_args(sample_input: Any) -> tuple:
-    return tuple(sample_input) if isinstance(sample_input, (tuple, list)) else (sample_input,)
 
 
 class _Profiler(torch.fx.Interpreter):
@@ -379,12 +273,12 @@ def _annotate(
     measures = ("flops", "activation_bytes", "time_s") if timed else ("flops", "activation_bytes")
     for name in graph.graph["layers"]:
         graph.nodes[name].update(dict.fromkeys(measures, 0))
+    last = {layer_of[node]: node for node in traced.graph.nodes if node in layer_of and node in records}
+    for name, node in last.items():  # a layer's output: the last value it computes
+        described = _describe(records[node]["value"])
+        graph.nodes[name].update(out_shape=described["shape"], out_dtype=described["dtype"],
+                                 out_bytes=described["bytes"])
     for node, record in records.items():
-        if node.op == "call_module":
-            described = _describe(record["value"])
-            graph.nodes[layer_of[node]].update(
-                out_shape=described["shape"], out_dtype=described["dtype"], out_bytes=described["bytes"]
-            )
         if node in layer_of:
             attributes = graph.nodes[layer_of[node]]
             for key in measures:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch.fx
 from torch import nn
 
-from xpipe.graph import extract_module, trace_layers
+from xpipe.capture import extract_module, trace_layers
 from xpipe.partition import Partition
 
 

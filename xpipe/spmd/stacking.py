@@ -14,7 +14,7 @@ import torch
 import torch.fx
 from torch import nn
 
-from xpipe.graph import extract_module, trace_layers
+from xpipe.capture import extract_module, trace_layers
 from xpipe.partition import Partition
 
 PRE, POST = "pre", "post"

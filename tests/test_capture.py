@@ -1,0 +1,90 @@
+"""Capturing models as they come: layers are the user's own submodules, however deep.
+
+Hugging Face models (which torch.fx cannot trace) are captured with torch.export
+on a sample batch; torchvision's ViT and torch's nn.TransformerEncoder nest their
+blocks a level or two down. Each is built from its library's own classes and
+configs, with random weights (nothing is downloaded).
+"""
+
+import pytest
+import torch
+import torchvision
+from torch import nn
+from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+import xpipe
+from xpipe.capture import opened_modules, trace_layers
+from xpipe.viz import render, render_text
+from xpipe.schedule import gpipe
+
+
+def llama(layers: int = 4) -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(
+        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=layers, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=True, use_cache=False))
+
+
+def gpt2() -> GPT2LMHeadModel:
+    torch.manual_seed(0)
+    return GPT2LMHeadModel(GPT2Config(vocab_size=128, n_positions=32, n_embd=32, n_layer=4, n_head=4,
+                                      bos_token_id=0, eos_token_id=0, use_cache=False))
+
+
+def tokens(rows: int = 2, seq: int = 8) -> torch.Tensor:
+    return torch.randint(0, 128, (rows, seq), generator=torch.Generator().manual_seed(0))
+
+
+def test_a_hugging_face_llama_is_captured_with_its_own_layer_names():
+    mask = torch.ones(2, 8, dtype=torch.long)
+    mask[0, :3] = 0  # a padded row
+    plan = xpipe.partition(llama(), 2, sample_input={"input_ids": tokens(), "attention_mask": mask}, cost="flops")
+    names = [name for stage in plan.stages for name in stage]
+    assert names == ["model.embed_tokens", "model.rotary_emb", *(f"model.layers.{i}" for i in range(4)),
+                     "model.norm", "lm_head"]
+    assert plan.repeated.count == 4 and plan.repeated.period == 1
+    model = llama()
+    counted = {name: plan.graph.nodes[name]["params"] for name in names}
+    assert counted["model.layers.2"] == sum(p.numel() for p in model.model.layers[2].parameters())
+    assert counted["lm_head"] == model.lm_head.weight.numel(), "the tied head counts its weight"
+    crossing = {c.name for c in plan.boundaries[0]}
+    assert len(crossing) >= 3, f"hidden state, the mask and the rotary cos/sin cross the cut: {crossing}"
+
+
+def test_gpt2_with_labels_keeps_its_loss_in_the_last_layer():
+    plan = xpipe.partition(gpt2(), 4, sample_input={"input_ids": tokens(), "labels": tokens()})
+    assert plan.stages[0][0] == "transformer.wte" and plan.stages[-1][-1] == "lm_head"
+    assert [name for stage in plan.stages for name in stage if ".h." in name] == [f"transformer.h.{i}" for i in range(4)]
+    assert plan.repeated.per_stage == (1, 1, 1, 1)
+
+
+def test_without_a_sample_an_untraceable_model_says_how_to_capture_it():
+    with pytest.raises(ValueError, match=r"module: torch.fx cannot trace 'LlamaForCausalLM'.*pass sample_input="):
+        xpipe.partition(llama(), 2)
+
+
+def test_torchvisions_vit_exposes_its_encoder_blocks_without_a_sample():
+    vit = torchvision.models.VisionTransformer(image_size=32, patch_size=16, num_layers=4, num_heads=2,
+                                               hidden_dim=32, mlp_dim=64)
+    assert opened_modules(vit) == {"", "encoder", "encoder.layers"}
+    plan = xpipe.partition(vit, 2)
+    blocks = [name for stage in plan.stages for name in stage if name.startswith("encoder.layers.")]
+    assert blocks == [f"encoder.layers.encoder_layer_{i}" for i in range(4)]
+    assert plan.repeated.count == 4
+
+
+def test_a_transformer_encoder_is_opened_by_export_and_kept_whole_by_fx():
+    model = nn.Sequential(nn.Linear(8, 16), nn.TransformerEncoder(nn.TransformerEncoderLayer(16, 2, 32, batch_first=True), 4),
+                          nn.Linear(16, 8))
+    _, whole = trace_layers(model)  # fx cannot trace TransformerEncoder.forward: it stays one layer
+    assert sorted(set(whole.values())) == ["0", "1", "2"]
+    plan = xpipe.partition(model, 2, sample_input=torch.randn(2, 5, 8))
+    assert [name for stage in plan.stages for name in stage] == ["0", *(f"1.layers.{i}" for i in range(4)), "2"]
+
+
+def test_the_visualiser_draws_a_llama_with_its_layer_names(tmp_path):
+    plan = xpipe.partition(llama(), 2, sample_input={"input_ids": tokens()})
+    assert "model.embed_tokens .. model.layers.1" in render_text(plan, gpipe(2, 4))
+    render(plan, gpipe(2, 4), tmp_path / "llama.svg")
+    svg = (tmp_path / "llama.svg").read_text()
+    assert all(name in svg for name in ("model.rotary_emb", "model.layers.3", "lm_head"))

@@ -1,0 +1,270 @@
+"""Capture a model as a graph whose every node knows the layer that runs it.
+
+A *layer* is one call of one of the user's own submodules, named as in
+``model.named_modules()`` (``"model.layers.3"``). Which submodules are layers:
+every submodule is one, except the ones xpipe looks inside: containers
+(``nn.Sequential``, ``nn.ModuleList``, ``nn.ModuleDict``), the root, and the
+modules on the way down to the model's run of repeated blocks (the shallowest
+container holding two or more alike children), so that the blocks are layers
+however deep the model nests them (``model.model.layers`` in a Hugging Face
+model, ``encoder.layers`` in torchvision's ViT).
+
+Two ways to capture, the fast one first:
+
+- ``torch.fx`` symbolic tracing, which needs no sample input. Tensor operations
+  written between layers (a residual add, a reshape) belong to the layer they follow.
+- ``torch.export`` (non-strict), on a sample input, for models fx cannot trace
+  (Hugging Face transformers wrap every forward in a decorator fx cannot read).
+  The graph is flat (aten operations); each operation's layer is read from the
+  module stack export records for it, with the same rule for what is a layer.
+
+Both give a ``torch.fx.GraphModule`` whose parameters are the model's own objects.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+import torch
+import torch.fx
+from torch import nn
+from torch.utils._pytree import tree_flatten
+
+CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
+
+
+def trace_layers(module: nn.Module, sample_input: Any = None) -> tuple[torch.fx.GraphModule, dict[torch.fx.Node, str]]:
+    """Capture ``module`` and map each compute node to the layer that runs it.
+
+    Args:
+        module: the model.
+        sample_input: a tensor, a tuple of positional inputs, or a dict of keyword
+            inputs; needed only for models torch.fx cannot trace.
+
+    Raises:
+        ValueError: if fx cannot trace the model and no sample input was given, or
+            neither fx nor torch.export can capture it.
+    """
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"module: expected a torch.nn.Module, got {type(module).__name__}")
+    opened = opened_modules(module)
+    try:
+        traced, traced_opened = _trace_fx(module, opened)
+    except _UntraceableError as error:
+        if sample_input is None:
+            raise ValueError(f"{error} Or pass sample_input=<a batch, as the model takes it> so that xpipe "
+                             "can capture it with torch.export instead") from error.__cause__
+    else:
+        if traced_opened == opened or sample_input is None:
+            return traced, _assign_by_calls(traced)
+        # fx kept a module on the way to the blocks whole; export can look inside it
+    traced = _export(module, sample_input)
+    return traced, _assign_by_stack(traced, module, opened)
+
+
+def input_values(sample_input: Any) -> tuple[tuple, dict[str, Any]]:
+    """``sample_input`` as (positional, keyword) arguments."""
+    if isinstance(sample_input, dict):
+        return (), dict(sample_input)
+    if isinstance(sample_input, (tuple, list)):
+        return tuple(sample_input), {}
+    return (sample_input,), {}
+
+
+def flat_inputs(sample_input: Any) -> list[Any]:
+    """The values a captured graph's placeholders take, in order."""
+    return tree_flatten(input_values(sample_input))[0]
+
+
+def opened_modules(module: nn.Module) -> set[str]:
+    """Names of the modules xpipe looks inside rather than treating as one layer:
+    the root and the modules on the way to the run of repeated blocks (containers
+    are looked inside wherever they are reached)."""
+    repeated = _repeated_container(module)
+    if repeated is None:
+        return {""}
+    parts = repeated.split(".") if repeated else []
+    return {".".join(parts[:depth]) for depth in range(len(parts) + 1)}
+
+
+def is_layer(module: nn.Module, name: str, opened: set[str]) -> bool:
+    """Whether the submodule ``name`` is one layer (not looked inside)."""
+    return name not in opened and not isinstance(module, CONTAINERS)
+
+
+def _repeated_container(module: nn.Module) -> str | None:
+    """The shallowest container with two or more alike children (the largest by
+    parameters among equally shallow ones), or None."""
+    best: tuple[int, int, str] | None = None
+    for name, container in module.named_modules():
+        if not isinstance(container, CONTAINERS):
+            continue
+        kinds = Counter(_kind(child) for child in container.children())
+        if kinds and max(kinds.values()) >= 2:
+            depth = name.count(".") + 1 if name else 0
+            candidate = (depth, -sum(p.numel() for p in container.parameters()), name)
+            best = candidate if best is None or candidate < best else best
+    return None if best is None else best[2]
+
+
+def _kind(module: nn.Module) -> tuple:
+    """Type and parameter shapes: alike blocks share it."""
+    return type(module), tuple((name, tuple(t.shape)) for name, t in module.state_dict().items())
+
+
+class _UntraceableError(Exception):
+    """torch.fx could not trace the model."""
+
+
+class _LayerTracer(torch.fx.Tracer):
+    """Traces through the opened modules and containers; remembers where tracing failed."""
+
+    def __init__(self, opened: set[str]) -> None:
+        super().__init__()
+        self.opened = opened
+        self.failed_in: str | None = None
+
+    def is_leaf_module(self, module: nn.Module, qualified_name: str) -> bool:
+        return is_layer(module, qualified_name, self.opened)
+
+    def call_module(self, module, forward, args, kwargs):  # type: ignore[override]
+        try:
+            return super().call_module(module, forward, args, kwargs)
+        except Exception:
+            if self.failed_in is None:
+                self.failed_in = self.path_of_module(module)
+            raise
+
+
+def _trace_fx(module: nn.Module, opened: set[str]) -> tuple[torch.fx.GraphModule, set[str]]:
+    """fx trace, and the modules it looked inside: a module on the way to the blocks
+    that fx cannot trace is kept whole."""
+    while True:
+        tracer = _LayerTracer(opened)
+        try:
+            return torch.fx.GraphModule(module, tracer.trace(module)), opened
+        except Exception as error:
+            where = tracer.failed_in or ""
+            if where and where in opened:
+                opened = opened - {where}
+                continue
+            raise _UntraceableError(
+                f"module: torch.fx cannot trace {where or type(module).__name__!r} ({type(error).__name__}: "
+                f"{str(error).splitlines()[0] if str(error) else ''}). xpipe traces the model's forward and its "
+                "nn.Sequential/ModuleList/ModuleDict containers; move data-dependent Python control flow into "
+                "a submodule of its own (any other submodule is one layer and is not traced into), or wrap the "
+                "model as an nn.Sequential of such submodules and pass balance=[...]."
+            ) from error
+
+
+def _export(module: nn.Module, sample_input: Any) -> torch.fx.GraphModule:
+    args, kwargs = input_values(sample_input)
+    try:
+        exported = torch.export.export(module, args, kwargs, strict=False)
+    except Exception as error:
+        raise ValueError(f"module: neither torch.fx nor torch.export can capture {type(module).__name__} "
+                         f"({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}); "
+                         "for a Hugging Face model, set use_cache=False in its config") from error
+    return exported.module()
+
+
+def _assign_by_calls(traced: torch.fx.GraphModule) -> dict[torch.fx.Node, str]:
+    """fx: every ``call_module`` node starts a layer; other nodes join the layer
+    before them (those before the first layer join the first)."""
+    layer_of: dict[torch.fx.Node, str] = {}
+    pending: list[torch.fx.Node] = []
+    current: str | None = None
+    calls: dict[str, int] = {}
+    for node in traced.graph.nodes:
+        if node.op in ("placeholder", "output"):
+            continue
+        if node.op == "call_module":
+            current = _call_name(node.target, calls)
+            layer_of.update(dict.fromkeys(pending, current))
+            pending.clear()
+        if current is None:
+            pending.append(node)
+        else:
+            layer_of[node] = current
+    return _checked(layer_of, current)
+
+
+def _assign_by_stack(traced: torch.fx.GraphModule, module: nn.Module, opened: set[str]) -> dict[torch.fx.Node, str]:
+    """export: a node's layer is the outermost layer module in its module stack;
+    nodes of an opened module's own code join the layer before them. A parameter
+    read (``get_attr``) joins the layer of its first user."""
+    layer_of: dict[torch.fx.Node, str] = {}
+    pending: list[torch.fx.Node] = []
+    current: str | None = None
+    previous_module: str | None = None
+    calls: dict[str, int] = {}
+    for node in traced.graph.nodes:
+        if node.op in ("placeholder", "output", "get_attr"):
+            continue
+        owner = _stack_layer(node, module, opened)
+        if owner is not None and owner != previous_module:
+            current = _call_name(owner, calls)
+            layer_of.update(dict.fromkeys(pending, current))
+            pending.clear()
+        previous_module = owner if owner is not None else previous_module
+        if current is None:
+            pending.append(node)
+        else:
+            layer_of[node] = current
+    for node in traced.graph.nodes:
+        if node.op == "get_attr" and node.users:
+            layer_of[node] = layer_of.get(next(iter(node.users)), current)
+    return _checked(layer_of, current)
+
+
+def _stack_layer(node: torch.fx.Node, module: nn.Module, opened: set[str]) -> str | None:
+    for path, _ in (node.meta.get("nn_module_stack") or {}).values():
+        if path and is_layer(module.get_submodule(path), path, opened):
+            return path
+    return None
+
+
+def _call_name(target: str, calls: dict[str, int]) -> str:
+    """``target`` for its first call, ``target#k`` for call ``k`` after that."""
+    seen = calls.get(target, 0)
+    calls[target] = seen + 1
+    return target if seen == 0 else f"{target}#{seen}"
+
+
+def _checked(layer_of: dict[torch.fx.Node, str], current: str | None) -> dict[torch.fx.Node, str]:
+    if current is None:
+        raise ValueError(
+            "module: its forward calls no submodule, so there are no layers to split; "
+            "build the model from submodules (e.g. an nn.Sequential)"
+        )
+    return layer_of
+
+
+def extract_module(
+    traced: torch.fx.GraphModule,
+    inputs: list[torch.fx.Node],
+    members: list[torch.fx.Node],
+    outputs: list[torch.fx.Node] | None,
+    name: str,
+    *,
+    output: torch.fx.Node | None = None,
+) -> torch.fx.GraphModule:
+    """A module that runs ``members`` of a trace, taking ``inputs`` as its arguments.
+
+    It returns ``outputs`` (one value, or a tuple of several) or, when ``output``
+    (the trace's output node) is given, what the model returns. Its submodules and
+    parameters are the original objects, not copies: the executors cut a model
+    into pieces this way and train the pieces in place.
+    """
+    graph = torch.fx.Graph()
+    env: dict[torch.fx.Node, torch.fx.Node] = {}
+    for node in inputs:
+        env[node] = graph.placeholder(node.name)
+    for node in members:
+        env[node] = graph.node_copy(node, lambda n: env[n])
+    if output is not None:
+        graph.output(torch.fx.map_arg(output.args[0], lambda n: env[n]))
+    else:
+        graph.output(env[outputs[0]] if len(outputs) == 1 else tuple(env[n] for n in outputs))
+    return torch.fx.GraphModule(traced, graph, class_name=name)

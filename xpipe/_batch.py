@@ -58,7 +58,8 @@ def check_floating_inputs(inputs: tuple[torch.Tensor, ...], dtype: torch.dtype |
 
 
 def check_outputs(output: Any, rows: int, *, where: str = "module") -> None:
-    """Every tensor of ``output`` has ``rows`` rows on dim 0; no leaf is anything but a tensor.
+    """Every tensor of ``output`` is a scalar (a loss: the pipeline averages it over
+    the microbatches) or has ``rows`` rows on dim 0; no leaf is anything but a tensor.
 
     Raises:
         TypeError: for a leaf that is not a tensor.
@@ -69,7 +70,7 @@ def check_outputs(output: Any, rows: int, *, where: str = "module") -> None:
         if not isinstance(leaf, torch.Tensor):
             raise TypeError(f"{where}: output {index} is a {type(leaf).__name__}; a pipelined model returns "
                             "tensors (or tuples, lists and dicts of them) whose dim 0 is the batch")
-        if leaf.dim() == 0 or leaf.shape[0] != rows:
+        if leaf.dim() > 0 and leaf.shape[0] != rows:
             raise ValueError(
                 f"{where}: output {index} has shape {list(leaf.shape)}, but its dim 0 should be the "
                 f"microbatch's {rows} rows; a pipelined model must return its outputs batch-first "

@@ -1,10 +1,11 @@
 """Parameters a Pipe replaced by its own, made to fail loudly wherever they are still used.
 
 The spmd executor stacks the repeated blocks' weights into new ``[S, K, ...]``
-tensors sharded over the mesh; the blocks' own Parameters then train nothing. An
-optimizer built on ``model.parameters()``, ``model.state_dict()`` and
-``model.load_state_dict()`` would otherwise go on working on the stale copies in
-silence: each raises instead, saying what to use.
+tensors sharded over the mesh, and a parameter that cannot be moved in place
+(torch.export holds a weak reference to it) is moved as a new object; the old
+Parameters then train nothing. An optimizer built on them, ``model.state_dict()``
+and ``model.load_state_dict()`` (spmd) would otherwise go on working on the stale
+copies in silence: each raises instead, saying what to use.
 """
 
 from __future__ import annotations
@@ -18,13 +19,18 @@ from torch import nn
 _MARK = "_xpipe_retired"  # attribute on a retired Parameter: where its values live now
 
 
+def retire_parameters(parameters: Iterable[nn.Parameter]) -> None:
+    """Mark ``parameters`` as replaced by a Pipe's: no optimizer steps them any more."""
+    for parameter in parameters:
+        setattr(parameter, _MARK, True)
+
+
 def retire(module: nn.Module, parameters: Iterable[nn.Parameter]) -> None:
     """Mark ``parameters`` of ``module`` as replaced by a Pipe's, and make every
     module that holds one refuse ``state_dict`` and ``load_state_dict``."""
+    parameters = list(parameters)
+    retire_parameters(parameters)
     retired = {id(parameter) for parameter in parameters}
-    for parameter in module.parameters():
-        if id(parameter) in retired:
-            setattr(parameter, _MARK, True)
     for owner in module.modules():
         if any(id(p) in retired for p in owner.parameters()):
             owner.register_state_dict_pre_hook(_refuse_state_dict)
@@ -54,9 +60,10 @@ def _refuse_retired_parameters(optimizer: torch.optim.Optimizer, args, kwargs) -
         if any(is_retired(p) for p in group["params"]):
             raise RuntimeError(
                 f"optimizer: this {type(optimizer).__name__} holds parameters of a model that an "
-                "xpipe.Pipe (spmd executor) took over; they no longer train (the Pipe stacks the repeated "
-                "blocks' weights into tensors of its own), so this step would leave them unchanged. "
-                "Build the optimizer on pipe.parameters(), after wrapping")
+                "xpipe.Pipe took over and replaced by its own (the spmd executor stacks the "
+                "repeated blocks' weights; a model captured by torch.export gets its weights moved as new "
+                "objects), so this step would leave the trained weights unchanged. Build the optimizer on "
+                "pipe.parameters(), after wrapping")
 
 
 register_optimizer_step_pre_hook(_refuse_retired_parameters)

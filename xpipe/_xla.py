@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import gc
 import importlib.util
+import weakref
 
 import torch
 import torch.autograd
 from torch import nn
+
+from xpipe._retired import retire_parameters
 
 _BROKEN_QUEUES = "device_ready_queues_"
 _checked: set[str] = set()  # devices that have run a backward
@@ -78,7 +82,7 @@ def check_can_enter_spmd() -> None:
         )
 
 
-def move_keeping_ties(modules: list[nn.Module], device: torch.device) -> None:
+def move_keeping_ties(modules: list[nn.Module], device: torch.device) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
     """Move parameters and buffers to ``device``, keeping every Parameter object.
 
     Each Parameter's contents are swapped in place (``torch.utils.swap_tensors``),
@@ -86,17 +90,51 @@ def move_keeping_ties(modules: list[nn.Module], device: torch.device) -> None:
     model itself, see the moved weights; and a Parameter held in several places
     (an LM's tied embedding and head) stays one. ``module.to(xla)`` would instead
     make a new Parameter for every place one is held.
+
+    torch.export keeps a weak reference to each parameter it traced, and a
+    Parameter with a weak reference cannot be swapped: such a one is replaced by
+    a new Parameter everywhere the modules hold it, and the old one is retired
+    (an optimizer that still holds it refuses to step).
+
+    Returns:
+        What was replaced rather than moved in place, ``id(old) -> (old, new)``
+        (buffers always are): :func:`rebind` puts the new ones into other modules
+        that held the old ones.
     """
-    moved: set[int] = set()
-    for module in modules:
+    gc.collect()  # weak references that tracing left and nothing holds any more
+    moved: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(old) -> (old, new); old kept alive,
+    for module in modules:                                     # so that no new tensor reuses its id
         for owner in module.modules():
-            for parameter in owner._parameters.values():
-                if parameter is None or id(parameter) in moved:
-                    continue
-                moved.add(id(parameter))
-                if parameter.device != device:
-                    on_device = nn.Parameter(parameter.detach().to(device), requires_grad=parameter.requires_grad)
-                    torch.utils.swap_tensors(parameter, on_device)
-            for name, buffer in owner._buffers.items():
-                if buffer is not None:
-                    owner._buffers[name] = buffer.to(device)
+            for slots, move in ((owner._parameters, _moved_in_place), (owner._buffers, _copied_to)):
+                for name, tensor in slots.items():
+                    if tensor is None or tensor.device == device:
+                        continue
+                    if id(tensor) not in moved:
+                        moved[id(tensor)] = (tensor, move(tensor, device))
+                    slots[name] = moved[id(tensor)][1]
+    return {key: pair for key, pair in moved.items() if pair[0] is not pair[1]}
+
+
+def rebind(module: nn.Module, replaced: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Hold the new tensor wherever ``module`` held one that was replaced (ties stay ties)."""
+    for owner in module.modules():
+        for slots in (owner._parameters, owner._buffers):
+            for name, tensor in slots.items():
+                if tensor is not None and id(tensor) in replaced and replaced[id(tensor)][0] is tensor:
+                    slots[name] = replaced[id(tensor)][1]
+
+
+def _copied_to(buffer: torch.Tensor, device: torch.device) -> torch.Tensor:
+    return buffer.to(device)
+
+
+def _moved_in_place(parameter: nn.Parameter, device: torch.device) -> nn.Parameter:
+    """``parameter`` on ``device``: the same object if it can be swapped, else a new one."""
+    if parameter.device == device:
+        return parameter
+    on_device = nn.Parameter(parameter.detach().to(device), requires_grad=parameter.requires_grad)
+    if weakref.getweakrefcount(parameter):
+        retire_parameters([parameter])
+        return on_device
+    torch.utils.swap_tensors(parameter, on_device)
+    return parameter

@@ -23,13 +23,14 @@ Both give a ``torch.fx.GraphModule`` whose parameters are the model's own object
 
 from __future__ import annotations
 
+import inspect
 from collections import Counter
 from typing import Any
 
 import torch
 import torch.fx
 from torch import nn
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_map
 
 CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
 
@@ -159,14 +160,23 @@ def _trace_fx(module: nn.Module, opened: set[str]) -> tuple[torch.fx.GraphModule
 
 
 def _export(module: nn.Module, sample_input: Any) -> torch.fx.GraphModule:
+    """torch.export's graph of ``module``, its batch dims left free (a microbatch is
+    smaller than the sample)."""
     args, kwargs = input_values(sample_input)
+    named = inspect.signature(module.forward).bind_partial(*args, **kwargs).arguments  # as export names them
+    batch_free = {name: tree_map(lambda x: {0: torch.export.Dim.AUTO} if isinstance(x, torch.Tensor) and x.dim()
+                                 else None, value) for name, value in named.items()}
     try:
-        exported = torch.export.export(module, args, kwargs, strict=False)
+        exported = torch.export.export(module, args, kwargs, dynamic_shapes=batch_free, strict=False)
     except Exception as error:
         raise ValueError(f"module: neither torch.fx nor torch.export can capture {type(module).__name__} "
                          f"({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}); "
                          "for a Hugging Face model, set use_cache=False in its config") from error
-    return exported.module()
+    traced = exported.module()
+    for node in traced.graph.nodes:  # the fake tensors of tracing hold weak references to the parameters
+        for key in ("val", "tensor_meta", "example_value", "unbacked_bindings"):
+            node.meta.pop(key, None)
+    return traced
 
 
 def _assign_by_calls(traced: torch.fx.GraphModule) -> dict[torch.fx.Node, str]:
@@ -199,10 +209,11 @@ def _assign_by_stack(traced: torch.fx.GraphModule, module: nn.Module, opened: se
     current: str | None = None
     previous_module: str | None = None
     calls: dict[str, int] = {}
+    names = dict(module.named_modules())
     for node in traced.graph.nodes:
         if node.op in ("placeholder", "output", "get_attr"):
             continue
-        owner = _stack_layer(node, module, opened)
+        owner = _stack_layer(node, names, opened)
         if owner is not None and owner != previous_module:
             current = _call_name(owner, calls)
             layer_of.update(dict.fromkeys(pending, current))
@@ -218,9 +229,9 @@ def _assign_by_stack(traced: torch.fx.GraphModule, module: nn.Module, opened: se
     return _checked(layer_of, current)
 
 
-def _stack_layer(node: torch.fx.Node, module: nn.Module, opened: set[str]) -> str | None:
+def _stack_layer(node: torch.fx.Node, names: dict[str, nn.Module], opened: set[str]) -> str | None:
     for path, _ in (node.meta.get("nn_module_stack") or {}).values():
-        if path and is_layer(module.get_submodule(path), path, opened):
+        if path in names and is_layer(names[path], path, opened):  # export also records hooks of its own
             return path
     return None
 
@@ -268,3 +279,17 @@ def extract_module(
     else:
         graph.output(env[outputs[0]] if len(outputs) == 1 else tuple(env[n] for n in outputs))
     return torch.fx.GraphModule(traced, graph, class_name=name)
+
+
+def place_constants_on(piece: torch.fx.GraphModule, device: torch.device) -> None:
+    """Make the tensors ``piece`` creates or moves with a fixed device (``arange``,
+    ``ones``, ``.to(device)``, as torch.export records them from the sample's
+    device) come out on ``device``."""
+
+    def placed(value: Any) -> Any:
+        return device if isinstance(value, torch.device) else value
+
+    for node in piece.graph.nodes:
+        node.args = torch.fx.node.map_aggregate(node.args, placed)
+        node.kwargs = torch.fx.node.map_aggregate(node.kwargs, placed)
+    piece.recompile()

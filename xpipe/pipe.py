@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 import torch_xla
@@ -27,7 +28,8 @@ from torch.utils._pytree import tree_flatten
 from xpipe._batch import batch_size, check_floating_inputs
 from xpipe._checks import check_positive_int
 from xpipe._retired import retire
-from xpipe._xla import move_keeping_ties, warm_autograd
+from xpipe._xla import move_keeping_ties, rebind, warm_autograd
+from xpipe.capture import place_constants_on
 from xpipe.checkpoint import check_mode
 from xpipe.devices.executor import DevicesPipeline
 from xpipe.devices.stages import StagedModel, cut_into_stages
@@ -73,6 +75,10 @@ class Pipe(nn.Module):
             given, the process is already in SPMD mode, or the model has a
             stackable run of at least one identical block per stage; devices
             otherwise.
+        sample_input: a batch as the model takes it (a tensor, a tuple, or a dict
+            of keyword inputs), for models torch.fx cannot trace (Hugging Face
+            transformers): xpipe captures them with torch.export on it, with the
+            batch dim left free, in the mode the model is in.
 
     Attributes:
         partition: the :class:`xpipe.Partition` in use.
@@ -98,6 +104,7 @@ class Pipe(nn.Module):
         checkpoint: str = "except_last",
         deferred_batch_norm: bool = False,
         executor: str = "auto",
+        sample_input: Any = None,
     ) -> None:
         super().__init__()
         if not isinstance(module, nn.Module):
@@ -107,26 +114,29 @@ class Pipe(nn.Module):
         if not isinstance(deferred_batch_norm, bool):
             raise ValueError(f"deferred_batch_norm: must be True or False, got {deferred_batch_norm!r}")
         by_name(schedule, 1, 1)  # an unknown name fails here, before any device work
-        self.executor = _choose_executor(executor, module, mesh, stages, balance)
+        self.sample_input = sample_input
+        self.executor = _choose_executor(executor, module, mesh, stages, balance, sample_input)
         self._original_keys = list(module.state_dict(keep_vars=True))
         if self.executor == "spmd":
             self._build_spmd(module, balance, mesh, stages, schedule)
         else:
             self._build_devices(module, balance, mesh, stages, schedule, deferred_batch_norm)
+        self.sample_input = None  # captured; not kept alive
         if not module.training:
             self.eval()  # a model wrapped in eval mode stays in eval mode
 
     def _build_spmd(self, module: nn.Module, balance: Sequence[int] | None, mesh: xs.Mesh | None,
                     stages: int | None, schedule: str) -> None:
         stages = _spmd_stage_count(mesh, stages, balance)
-        plan = partition(module, stages)
-        stacked = cut_for_stacking(module, plan)
-        self.partition: Partition = _spmd_partition(module, plan, spread(len(stacked.blocks), stages), balance)
+        plan = partition(module, stages, sample_input=self.sample_input)
+        stacked = cut_for_stacking(module, plan, self.sample_input)
+        self.partition: Partition = _spmd_partition(module, plan, spread(len(stacked.blocks), stages), balance,
+                                                    self.sample_input)
         self.schedule: Schedule = by_name(schedule, stages, self.chunks)
         self.mesh = mesh if mesh is not None else make_mesh(stages)  # the process enters SPMD mode here
         device = spmd_device()
         self.devices = [device]
-        move_keeping_ties([stacked.pre, stacked.post], device)
+        rebind(module, move_keeping_ties([stacked.pre, stacked.post], device))
         self.runner = SpmdPipeline(stacked, self.mesh, self.chunks, self.checkpoint, device, self._original_keys)
         retire(module, [p for block in stacked.blocks for p in block.parameters()])
 
@@ -141,19 +151,21 @@ class Pipe(nn.Module):
         stages = _stage_count(stages, balance, xr.global_runtime_device_count())
         self.mesh = None
         self.schedule = by_name(schedule, stages, self.chunks)
-        self.partition = partition(module, stages, balance=balance)
-        staged = cut_into_stages(module, self.partition)
+        self.partition = partition(module, stages, balance=balance, sample_input=self.sample_input)
+        staged = cut_into_stages(module, self.partition, self.sample_input)
         _check_no_ties_across_stages(staged)
         self.devices = [torch_xla.device(index) for index in range(stages)]
         warm_autograd(self.devices[0])
         for program, device in zip(staged.stages, self.devices):
-            move_keeping_ties([program.module], device)
+            rebind(module, move_keeping_ties([program.module], device))  # the model holds what trains
+            place_constants_on(program.module, device)
         self.runner = DevicesPipeline(staged, self.devices, self.schedule, self.checkpoint, module,
                                       deferred_batch_norm=deferred_batch_norm)
 
-    def forward(self, *inputs: torch.Tensor, microbatch_dim: int | None = None):
+    def forward(self, *inputs: torch.Tensor, microbatch_dim: int | None = None, **keyword_inputs: torch.Tensor):
         if len(inputs) == 1 and isinstance(inputs[0], (tuple, list)) and len(self.runner.input_names) > 1:
             inputs = tuple(inputs[0])  # pipe((x, y)) for forward(x, y); forward(pair) gets the tuple
+        inputs = _in_order(inputs, keyword_inputs, self.runner.input_names)
         if not inputs:
             raise TypeError("x: pass the model's input (a tensor, or a tuple of tensors)")
         batch_size(inputs, self.chunks, microbatch_dim)
@@ -201,8 +213,21 @@ class Pipe(nn.Module):
         return self.runner.named_gradients()
 
 
+def _in_order(inputs: tuple, keyword_inputs: dict[str, Any], names: tuple[str, ...]) -> tuple:
+    """Positional and keyword inputs as one tuple in the order of the model's inputs."""
+    if not keyword_inputs:
+        return inputs
+    unknown = [key for key in keyword_inputs if key not in names[len(inputs):]]
+    missing = [name for name in names[len(inputs):] if name not in keyword_inputs]
+    if unknown or missing:
+        raise TypeError(f"x: the pipelined model takes the inputs {list(names)}; got {len(inputs)} positional and "
+                        f"keywords {list(keyword_inputs)} (unknown: {unknown}, missing: {missing}). A model "
+                        "captured with torch.export takes exactly the inputs of its sample_input")
+    return inputs + tuple(keyword_inputs[name] for name in names[len(inputs):])
+
+
 def _choose_executor(executor: str, module: nn.Module, mesh: xs.Mesh | None, stages: int | None,
-                     balance: Sequence[int] | None) -> str:
+                     balance: Sequence[int] | None, sample_input: Any) -> str:
     """``executor``, with ``"auto"`` resolved: spmd for a mesh, an SPMD process or a
     model with a stackable run of at least one identical block per stage (and a
     stage count that divides the devices); devices otherwise. Touches no device."""
@@ -218,7 +243,7 @@ def _choose_executor(executor: str, module: nn.Module, mesh: xs.Mesh | None, sta
     if devices % stages:
         return "devices"  # no data x stage mesh has this many stages
     try:
-        stacked = cut_for_stacking(module, partition(module, 1))
+        stacked = cut_for_stacking(module, partition(module, 1, sample_input=sample_input), sample_input)
     except ValueError:
         return "devices"
     return "spmd" if len(stacked.blocks) >= stages else "devices"
@@ -274,7 +299,7 @@ def _spmd_stage_count(mesh: xs.Mesh | None, stages: int | None, balance: Sequenc
 
 
 def _spmd_partition(module: nn.Module, plan: Partition, per_stage: tuple[int, ...],
-                    balance: Sequence[int] | None) -> Partition:
+                    balance: Sequence[int] | None, sample_input: Any) -> Partition:
     """The partition the spmd executor runs: the body spread evenly, pre on the first
     stage and post on the last (they run data-parallel over the whole mesh)."""
     repeated = plan.repeated
@@ -288,4 +313,4 @@ def _spmd_partition(module: nn.Module, plan: Partition, per_stage: tuple[int, ..
     if balance is not None and list(balance) != spmd_balance:
         raise ValueError(f"balance: the spmd executor spreads the {repeated.count} blocks evenly, which gives "
                          f"balance={spmd_balance}; pass that or leave balance out")
-    return partition(module, balance=spmd_balance)
+    return partition(module, balance=spmd_balance, sample_input=sample_input)

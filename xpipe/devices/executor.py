@@ -121,6 +121,13 @@ class DevicesPipeline(nn.Module):
         names = self.staged.inputs
         if len(inputs) != len(names):
             raise TypeError(f"x: the model takes {len(names)} inputs ({', '.join(names)}), got {len(inputs)}")
+        captured = self.staged.captured_training
+        if captured is not None and captured != self.training:
+            mode = {True: "train", False: "eval"}
+            raise RuntimeError(
+                f"pipe: the model was captured by torch.export in {mode[captured]} mode, which fixes dropout "
+                f"in its graph, and the Pipe is now in {mode[self.training]} mode. Build the Pipe with the model "
+                f"in the mode you run it (model.{mode[self.training]}() before xpipe.Pipe(...))")
         self.flush()
         if not self._flush_pending:
             xm.add_step_closure(self.flush)
@@ -134,7 +141,10 @@ class DevicesPipeline(nn.Module):
                      differentiating=differentiating, input_grads=[key for key, _ in wanted])
         parameters = [p for stage in range(len(self.devices)) for p in self.stage_parameters(stage)]
         leaves = _PipelineFunction.apply(step, *[x for _, x in wanted], *parameters)
-        return tree_unflatten(list(leaves), step.output_spec)
+        output = tree_unflatten(list(leaves), step.output_spec)
+        if self.staged.output_spec is not None:  # torch.export's flat outputs, folded as the model returns them
+            output = tree_unflatten(list(output), self.staged.output_spec)
+        return output
 
     def clocks_for(self, chunks: int) -> tuple[list[list[Action]], list[list[Action]]]:
         """Forward and backward cells by clock, for a step of ``chunks`` microbatches."""
@@ -290,7 +300,9 @@ class _Step:
 
     def set_output_grads(self, grads: tuple[torch.Tensor | None, ...]) -> None:
         rows = [self._rows(microbatch) for microbatch in range(self.chunks)]
-        split = [_split(g, rows, self.microbatch_dim) if g is not None else [None] * self.chunks for g in grads]
+        split = [[None] * self.chunks if g is None else
+                 [g / self.chunks] * self.chunks if g.dim() == 0 else  # a scalar output is the microbatches' mean
+                 _split(g, rows, self.microbatch_dim) for g in grads]
         last = self.pipeline.devices[-1]
         self.output_grads = [[_moved(g, last) for g in per_leaf] for per_leaf in zip(*split)]
 
@@ -387,6 +399,9 @@ def _split_tensor(x: torch.Tensor, chunks: int | list[int], microbatch_dim: int 
 
 
 def _merge(parts: list[torch.Tensor], microbatch_dim: int | None) -> torch.Tensor:
+    """One output from its microbatches' parts; a scalar (a loss) is their mean."""
+    if parts[0].dim() == 0:
+        return torch.stack(parts).mean()
     if microbatch_dim is not None:
         return torch.stack(parts, microbatch_dim)
     return torch.cat(parts, 0)

@@ -10,9 +10,11 @@ module touches no device.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch.fx
 from torch import nn
+from torch.utils._pytree import TreeSpec
 
 from xpipe.capture import extract_module, trace_layers
 from xpipe.partition import Partition
@@ -37,15 +39,27 @@ class StageProgram:
 
 @dataclass
 class StagedModel:
-    """A model cut into stages: ``stages`` in order, and the names of the model's inputs."""
+    """A model cut into stages.
+
+    Attributes:
+        stages: the stage programs, in order.
+        inputs: the names of the model's inputs.
+        output_spec: for a model captured by torch.export, how the last stage's flat
+            outputs fold back into what the model returns (a ``ModelOutput``, say).
+        captured_training: for torch.export, the mode the graph was captured in
+            (its dropout is fixed in it); None for fx, which keeps the modules' modes.
+    """
 
     stages: list[StageProgram]
     inputs: tuple[str, ...]
+    output_spec: TreeSpec | None = None
+    captured_training: bool | None = None
 
 
-def cut_into_stages(module: nn.Module, partition: Partition) -> StagedModel:
-    """Cut ``module`` into one :class:`StageProgram` per stage of ``partition``."""
-    traced, layer_of = trace_layers(module)
+def cut_into_stages(module: nn.Module, partition: Partition, sample_input: Any = None) -> StagedModel:
+    """Cut ``module`` into one :class:`StageProgram` per stage of ``partition``
+    (``sample_input`` for models only torch.export can capture)."""
+    traced, layer_of = trace_layers(module, sample_input)
     stages = len(partition.balance)
     nodes = list(traced.graph.nodes)
     output = nodes[-1]
@@ -53,7 +67,7 @@ def cut_into_stages(module: nn.Module, partition: Partition) -> StagedModel:
     stage_of[output] = stages - 1
     programs = []
     for stage in range(stages):
-        members = [n for n in nodes if n.op not in ("placeholder", "output") and stage_of[n] == stage]
+        members = [n for n in nodes if n.op not in ("placeholder", "output") and stage_of.get(n) == stage]
         readers = [*members, output] if stage == stages - 1 else members
         inputs = list(dict.fromkeys(u for n in readers for u in n.all_input_nodes if stage_of.get(u) != stage))
         if stage == stages - 1:
@@ -65,7 +79,10 @@ def cut_into_stages(module: nn.Module, partition: Partition) -> StagedModel:
             if len(outputs) == 1:
                 piece = _returning_tuple(piece)
         programs.append(StageProgram(piece, tuple(n.name for n in inputs), tuple(n.name for n in outputs)))
-    return StagedModel(programs, tuple(n.name for n in nodes if n.op == "placeholder"))
+    exported = hasattr(traced, "_out_spec")
+    return StagedModel(programs, tuple(n.name for n in nodes if n.op == "placeholder"),
+                       output_spec=traced._out_spec if exported else None,
+                       captured_training=module.training if exported else None)
 
 
 def _returning_tuple(piece: torch.fx.GraphModule) -> torch.fx.GraphModule:

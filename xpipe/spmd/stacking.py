@@ -9,6 +9,7 @@ module does the cutting on the torch.fx trace; it touches no device.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.fx
@@ -35,7 +36,7 @@ class StackedModel:
     post: torch.fx.GraphModule
 
 
-def cut_for_stacking(module: nn.Module, partition: Partition) -> StackedModel:
+def cut_for_stacking(module: nn.Module, partition: Partition, sample_input: Any = None) -> StackedModel:
     """Cut ``module`` around ``partition.repeated``.
 
     Raises:
@@ -46,7 +47,7 @@ def cut_for_stacking(module: nn.Module, partition: Partition) -> StackedModel:
     if repeated is None:
         raise ValueError("module: has no run of identical blocks to stack over the 'stage' axis; "
                          "the spmd executor needs one (e.g. the N blocks of a transformer)")
-    traced, layer_of = trace_layers(module)
+    traced, layer_of = trace_layers(module, sample_input)
     position = {name: index for index, name in enumerate(partition.graph.graph["layers"])}
 
     def segment(node: torch.fx.Node) -> str | int:
@@ -61,7 +62,7 @@ def cut_for_stacking(module: nn.Module, partition: Partition) -> StackedModel:
             return POST
         return (index - repeated.start) // repeated.period
 
-    nodes = list(traced.graph.nodes)
+    nodes = [n for n in traced.graph.nodes if n.op in ("placeholder", "output") or n in layer_of]  # no unused reads
     segment_of = {node: segment(node) for node in nodes}
     streams = _block_streams(nodes, segment_of, repeated.count)
     skips = [n for n in nodes if segment_of[n] == PRE and any(segment_of[user] == POST for user in n.users)]

@@ -21,7 +21,7 @@ from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 import xpipe  # noqa: E402
 
-STEPS, BATCH, SEQ, VOCAB, CHUNKS, STAGES = 30, 16, 16, 64, 4, 4
+STEPS, BATCH, SEQ, VOCAB, CHUNKS, STAGES = 80, 16, 16, 32, 4, 4
 
 
 def batch(generator: torch.Generator) -> dict[str, torch.Tensor]:
@@ -45,14 +45,14 @@ def main() -> None:
     sample = {key: value[: BATCH // CHUNKS] for key, value in batch(generator).items()}
     pipe = xpipe.Pipe(model, chunks=CHUNKS, stages=STAGES, sample_input=sample)
     print(pipe.partition)
-    optimizer = torch.optim.AdamW(pipe.parameters(), lr=3e-3)
+    optimizer = torch.optim.AdamW(pipe.parameters(), lr=1e-2)
     for step in range(STEPS):
         loss = pipe(**batch(generator)).loss
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
         torch_xla.sync()
-        if step % 5 == 0 or step == STEPS - 1:
+        if step % 10 == 0 or step == STEPS - 1:
             print(f"step {step:3d}  loss {loss.item():.3f}")
 
 

@@ -1,8 +1,10 @@
-"""Schedules as data: literal GPipe tables, bubble fraction, the validator."""
+"""Schedules as data: literal tables for each schedule, bubble and memory promises, the validator."""
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from xpipe.schedule import Action, Schedule, by_name, gpipe
+from xpipe.schedule import SCHEDULES, Action, Schedule, by_name, clocked, gpipe
 
 
 def table(*rows: str):
@@ -53,7 +55,76 @@ def test_backward_waits_for_the_next_stage():
 
 
 def test_unknown_schedule_and_bad_sizes_are_named():
-    with pytest.raises(ValueError, match="schedule: 'zb' is not a schedule; use one of gpipe"):
+    with pytest.raises(ValueError, match="schedule: 'zb' is not a schedule; use one of gpipe, 1f1b"):
         by_name("zb", 2, 2)
     with pytest.raises(ValueError, match="chunks: must be a positive integer, got 0"):
         gpipe(2, 0)
+
+
+def test_one_f_one_b_two_stages_three_microbatches():
+    assert by_name("1f1b", 2, 3).table == table(
+        "0F0 .", "0F1 1F0", ". 1B0", "0B0 1F1", "0F2 1B1", "0B1 1F2", ". 1B2", "0B2 .",
+    )
+
+
+def test_interleaved_places_model_stages_round_robin():
+    schedule = by_name("interleaved", 2, 2, virtual=2)
+    assert schedule.table == table(
+        "0F0 .", "0F1 1F0", "2F0 1F1", "2F1 3F0", ". 3B0", "2B0 3F1", ". 3B1", "2B1 1B0", "0B0 1B1", "0B1 .",
+    )  # rank 0 warms up with all 4 forwards (2 * (S - 1) + (V - 1) * S), rank 1 with 2, then 1F1B
+    assert [schedule.rank_of(stage) for stage in range(4)] == [0, 1, 0, 1]
+
+
+def test_zero_bubble_splits_the_backward_and_fills_the_drain_with_weight_gradients():
+    assert by_name("zb-h1", 2, 2).table == table(
+        "0F0 .", "0F1 1F0", ". 1I0", "0I0 1F1", "0W0 1I1", "0I1 1W0", "0W1 1W1",
+    )
+
+
+def test_circular_goes_round_the_ring_then_drains_in_reverse():
+    assert by_name("circular", 2, 2, virtual=2).table == table(
+        "0F0 .", "0F1 1F0", "2F0 1F1", "2F1 3F0", ". 3F1", ". 3B1", "2B1 3B0", "2B0 1B1", "0B1 1B0", "0B0 .",
+    )
+
+
+@settings(max_examples=60, deadline=None)
+@given(stages=st.integers(1, 8), chunks=st.integers(1, 32), virtual=st.integers(1, 4),
+       name=st.sampled_from(sorted(SCHEDULES)))
+def test_every_schedule_validates_and_keeps_its_promises(stages, chunks, virtual, name):
+    virtual = virtual if name in ("interleaved", "circular") else 1
+    if (name == "interleaved" and chunks % stages) or (name == "circular" and virtual > 1 and chunks < stages):
+        with pytest.raises(ValueError, match="chunks: "):
+            by_name(name, stages, chunks, virtual)
+        return
+    schedule = by_name(name, stages, chunks, virtual)
+    schedule.validate()
+    assert Schedule.from_text(schedule.to_text()) == schedule
+    assert simulated(schedule) == schedule, "the table is what running each rank's actions in order gives"
+    if name in ("gpipe", "1f1b"):
+        assert schedule.bubble_fraction == pytest.approx((stages - 1) / (chunks + stages - 1))
+    if name in ("interleaved", "circular") and chunks % stages == 0:
+        assert schedule.bubble_fraction <= (stages - 1) / (virtual * chunks + stages - 1) + 1e-9
+    if name in ("1f1b", "zb-h1"):
+        assert max(schedule.peak_in_flight) <= stages
+
+
+def simulated(schedule: Schedule) -> Schedule:
+    """Re-run each rank's actions, in the table's order, one per clock as soon as
+    their dependencies are done: a microbatch-level simulation of the table."""
+    orders = [[row[rank] for row in schedule.table if row[rank] is not None] for rank in range(schedule.stages)]
+    return clocked(schedule.name, schedule.stages, schedule.chunks, orders, schedule.virtual)
+
+
+def test_schedule_constraints_say_what_would_work():
+    with pytest.raises(ValueError, match=r"chunks: interleaved 1F1B takes microbatches in groups of stages=4; "
+                                         r"use chunks a multiple of 4"):
+        by_name("interleaved", 4, 6, virtual=2)
+    with pytest.raises(ValueError, match="virtual: '1f1b' runs one model stage per rank"):
+        by_name("1f1b", 4, 8, virtual=2)
+    with pytest.raises(ValueError, match="chunks: a circular pipeline needs at least stages=4 microbatches"):
+        by_name("circular", 4, 2, virtual=2)
+
+
+def test_validator_requires_input_gradient_before_weight_gradient():
+    with pytest.raises(ValueError, match="0W0 runs before 0I0"):
+        Schedule("early", 1, 1, table("0F0", "0W0", "0I0")).validate()

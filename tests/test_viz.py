@@ -11,7 +11,7 @@ import torch
 
 import xpipe
 from xpipe.models import small_cnn, transformer_lm
-from xpipe.schedule import gpipe
+from xpipe.schedule import by_name, gpipe
 from xpipe.viz import PANELS, boxes, render, render_text
 from xpipe.viz_cli import main
 
@@ -54,7 +54,7 @@ def test_html_is_self_contained_with_hover_text(plan, tmp_path):
     render(partition, schedule, tmp_path / "plan.html")
     html = (tmp_path / "plan.html").read_text()
     assert html.startswith("<!DOCTYPE html>") and "<script src" not in html and "<link" not in html
-    assert "<title>clock 0, stage 0: forward of microbatch 0</title>" in html
+    assert "<title>clock 0, stage 0: forward of model stage 0, microbatch 0</title>" in html
     assert re.search(r"<title>stage 0: forward FLOPs [\d.]+[KMG]?FLOP</title>", html)
     assert all(f'id="{panel}"' in html for panel in PANELS)
 
@@ -147,3 +147,14 @@ def test_the_users_own_files_give_one_line_errors(tmp_path, monkeypatch, capsys)
         assert exit_info.value.code == 2
         error = capsys.readouterr().err
         assert error.count("\n") == 1 and message in error, error
+
+
+def test_a_zero_bubble_schedule_shows_its_split_backward(tmp_path):
+    """I and W cells are told apart, and the title reads the bubble and the peak in
+    flight from the table."""
+    partition = xpipe.partition(small_cnn(), 3)
+    render(partition, by_name("zb-h1", 3, 4), tmp_path / "zb.html")
+    html = (tmp_path / "zb.html").read_text()
+    assert "input gradient (I) of model stage 2, microbatch 0" in html
+    assert "weight gradient (W) of model stage 0, microbatch 3" in html
+    assert "peak in flight 3 microbatches" in html

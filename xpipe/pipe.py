@@ -62,7 +62,9 @@ class Pipe(nn.Module):
             executor takes any balance.
         mesh: a ``("data", "stage")`` mesh for the spmd executor; defaults to
             ``xpipe.make_mesh(stages)``.
-        schedule: the schedule's name (``"gpipe"``).
+        schedule: the schedule's name; both executors run ``"gpipe"`` (and the
+            devices executor any schedule whose forwards all come before its
+            backwards); the others (``xpipe.schedule.SCHEDULES``) are refused.
         checkpoint: ``"always"``, ``"except_last"`` or ``"never"``: which
             microbatches recompute their stage activations in the backward pass.
         deferred_batch_norm: devices executor: BatchNorm layers normalise each
@@ -133,6 +135,9 @@ class Pipe(nn.Module):
         self.partition: Partition = _spmd_partition(module, plan, spread(len(stacked.blocks), stages), balance,
                                                     self.sample_input)
         self.schedule: Schedule = by_name(schedule, stages, self.chunks)
+        if self.schedule.name != "gpipe":
+            raise ValueError(f"schedule: the spmd executor runs 'gpipe' only (its clock loop is GPipe's "
+                             f"fill-drain), not {schedule!r}; use schedule='gpipe', or executor='devices'")
         self.mesh = mesh if mesh is not None else make_mesh(stages)  # the process enters SPMD mode here
         device = spmd_device()
         self.devices = [device]

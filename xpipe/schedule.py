@@ -1,9 +1,18 @@
 """Pipeline schedules as plain data.
 
-A schedule is a table: one row per clock, one cell per stage, each cell an
-:class:`Action` (forward or backward of one microbatch) or ``None`` (the stage is
-idle: a bubble). Executors interpret the table; the visualiser draws it; the
-validator checks the dependencies between cells.
+A schedule is a table: one row per clock, one cell per rank (a device, or a
+group of devices holding one pipeline stage), each cell an :class:`Action` or
+``None`` (the rank is idle: a bubble). An action is the forward (``F``), the full
+backward (``B``), or the backward split in two, for the stage's input (``I``)
+and for its weights (``W``), of one microbatch on one model stage. With
+``virtual`` model stages per rank, stage ``s`` lives on rank ``s % ranks``.
+Executors interpret the table; the visualiser draws it; the validator checks the
+dependencies between cells.
+
+Every schedule here is written as what each rank runs, in order (as PyTorch's
+pipelining writes it), and :func:`clocked` turns those orders into a table by
+running each action at the first clock where the rank is free and what it needs
+is done: the table is that simulation's result.
 
     >>> print(gpipe(stages=2, chunks=3))
     gpipe: 2 stages, 3 microbatches, 8 clocks, bubble 25.0%
@@ -15,6 +24,7 @@ validator checks the dependencies between cells.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -22,13 +32,16 @@ from xpipe._checks import check_positive_int
 
 FORWARD = "F"
 BACKWARD = "B"
+INPUT_GRAD = "I"  # the backward for the stage's input only
+WEIGHT_GRAD = "W"  # the backward for the stage's weights only
+KINDS = (FORWARD, BACKWARD, INPUT_GRAD, WEIGHT_GRAD)
 
 
 class Action(NamedTuple):
-    """One cell of a schedule: ``stage`` runs the forward or backward of ``microbatch``."""
+    """One cell of a schedule: model stage ``stage`` runs ``kind`` for ``microbatch``."""
 
     stage: int
-    kind: str  # FORWARD or BACKWARD
+    kind: str  # one of KINDS
     microbatch: int
 
     def __str__(self) -> str:
@@ -36,40 +49,67 @@ class Action(NamedTuple):
 
     @classmethod
     def parse(cls, text: str) -> Action:
-        """Read the compact form, e.g. ``"1F0"`` (stage 1, forward, microbatch 0)."""
-        match = re.fullmatch(r"(\d+)([FB])(\d+)", text)
+        """Read the compact form, e.g. ``"1F0"`` (stage 1, forward, microbatch 0) or ``"2I3"``."""
+        match = re.fullmatch(r"(\d+)([FBIW])(\d+)", text)
         if not match:
-            raise ValueError(f"text: {text!r} is not an action; write STAGE F|B MICROBATCH, e.g. '1F0'")
+            raise ValueError(f"text: {text!r} is not an action; write STAGE F|B|I|W MICROBATCH, e.g. '1F0'")
         return cls(int(match[1]), match[2], int(match[3]))
 
 
 @dataclass(frozen=True)
 class Schedule:
-    """Which action each stage runs at each clock.
+    """Which action each rank runs at each clock.
 
     Attributes:
         name: the schedule's name, e.g. ``"gpipe"``.
-        stages: number of pipeline stages.
+        stages: number of ranks (columns of the table).
         chunks: number of microbatches.
-        table: ``table[clock][stage]`` is an :class:`Action` or ``None`` (idle).
+        table: ``table[clock][rank]`` is an :class:`Action` or ``None`` (idle).
+        virtual: model stages per rank; model stage ``s`` runs on rank ``s % stages``.
     """
 
     name: str
     stages: int
     chunks: int
     table: tuple[tuple[Action | None, ...], ...]
+    virtual: int = 1
+
+    @property
+    def model_stages(self) -> int:
+        return self.stages * self.virtual
 
     @property
     def clocks(self) -> int:
         """Number of clock ticks in one step."""
         return len(self.table)
 
+    def rank_of(self, stage: int) -> int:
+        """The rank that runs model stage ``stage`` (placed round-robin)."""
+        return stage % self.stages
+
     @property
     def bubble_fraction(self) -> float:
-        """Share of stage-clock cells that are idle."""
+        """Share of rank-clock cells that are idle."""
         cells = self.clocks * self.stages
         idle = sum(cell is None for row in self.table for cell in row)
-        return idle / cells
+        return idle / cells if cells else 0.0
+
+    @property
+    def peak_in_flight(self) -> tuple[int, ...]:
+        """Per rank, the most microbatches whose forward has run there and whose
+        ``B`` (or ``I``) has not: how many activations the rank holds at once."""
+        peaks = []
+        for rank in range(self.stages):
+            held, peak = 0, 0
+            for row in self.table:
+                action = row[rank]
+                if action is not None and action.kind == FORWARD:
+                    held += 1
+                elif action is not None and action.kind in (BACKWARD, INPUT_GRAD):
+                    held -= 1
+                peak = max(peak, held)
+            peaks.append(peak)
+        return tuple(peaks)
 
     def forward_clocks(self) -> list[tuple[Action | None, ...]]:
         """The rows that hold at least one forward action, in order."""
@@ -78,87 +118,250 @@ class Schedule:
     def validate(self) -> None:
         """Raise ``ValueError`` (with the grid, failing clock marked) if a dependency is broken.
 
-        Every (stage, kind, microbatch) appears exactly once; a stage's forward of a
-        microbatch comes after the previous stage's; backward runs in reverse, after
-        the next stage's backward and, on the last stage, after its own forward.
+        Every model stage runs each microbatch's forward once, and either one ``B``
+        or one ``I`` and one ``W``; a forward comes after the previous stage's, a
+        backward after the next stage's and after its own forward, ``W`` after ``I``.
         """
         done: dict[Action, int] = {}
         for clock, row in enumerate(self.table):
             if len(row) != self.stages:
                 self._fail(clock, f"row has {len(row)} cells, expected {self.stages}")
-            for stage, action in enumerate(row):
+            for rank, action in enumerate(row):
                 if action is None:
                     continue
-                if action.stage != stage:
-                    self._fail(clock, f"{action} sits in the cell of stage {stage}")
+                if not 0 <= action.stage < self.model_stages or self.rank_of(action.stage) != rank:
+                    self._fail(clock, f"{action} sits in the cell of rank {rank}")
                 if action in done:
                     self._fail(clock, f"{action} runs twice (first at clock {done[action]})")
                 for needed in self._dependencies(action):
-                    if done.get(needed, clock) >= clock:
-                        self._fail(clock, f"{action} runs before {needed}")
+                    if all(done.get(option, clock) >= clock for option in needed):
+                        self._fail(clock, f"{action} runs before {' or '.join(map(str, needed))}")
                 done[action] = clock
-        expected = {Action(s, k, m) for s in range(self.stages) for k in (FORWARD, BACKWARD) for m in range(self.chunks)}
-        missing = sorted(expected - done.keys())
+        missing = [a for a in self._expected(done) if a not in done]
         if missing:
             self._fail(self.clocks - 1, f"never runs: {', '.join(map(str, missing[:5]))}")
 
-    def _dependencies(self, action: Action) -> list[Action]:
+    def _expected(self, done: dict[Action, int]) -> list[Action]:
+        expected = []
+        for stage in range(self.model_stages):
+            for microbatch in range(self.chunks):
+                split = Action(stage, INPUT_GRAD, microbatch) in done or Action(stage, WEIGHT_GRAD, microbatch) in done
+                kinds = (FORWARD, INPUT_GRAD, WEIGHT_GRAD) if split else (FORWARD, BACKWARD)
+                expected += [Action(stage, kind, microbatch) for kind in kinds]
+        return expected
+
+    def _dependencies(self, action: Action) -> list[tuple[Action, ...]]:
+        """What must have run before ``action``: each entry is met by any one of its actions."""
         stage, kind, microbatch = action
         if kind == FORWARD:
-            return [Action(stage - 1, FORWARD, microbatch)] if stage > 0 else []
-        if stage == self.stages - 1:
-            return [Action(stage, FORWARD, microbatch)]
-        return [Action(stage + 1, BACKWARD, microbatch)]
+            return [(Action(stage - 1, FORWARD, microbatch),)] if stage > 0 else []
+        if kind == WEIGHT_GRAD:
+            return [(Action(stage, INPUT_GRAD, microbatch),)]
+        own = [(Action(stage, FORWARD, microbatch),)]
+        if stage == self.model_stages - 1:
+            return own
+        # the next stage's gradient for its input: a full backward, or its I
+        return own + [(Action(stage + 1, BACKWARD, microbatch), Action(stage + 1, INPUT_GRAD, microbatch))]
 
     def _fail(self, clock: int, reason: str) -> None:
         raise ValueError(f"table: invalid {self.name} schedule at clock {clock}: {reason}\n"
                          f"{self.grid(mark=clock)}")
 
     def grid(self, mark: int | None = None) -> str:
-        """The table as text: one line per stage, one column per clock, ``.`` for idle."""
+        """The table as text: one line per rank, one column per clock, ``.`` for idle."""
         width = max([len(str(c)) for row in self.table for c in row if c is not None] + [3]) + 2
         header = "clock  " + "".join(f"{clock:<{width}}" for clock in range(self.clocks))
         lines = [header]
         if mark is not None:
             lines.append("       " + " " * (width * mark) + "^" * (width - 2))
-        for stage in range(self.stages):
-            cells = (str(row[stage]) if stage < len(row) and row[stage] is not None else "." for row in self.table)
-            lines.append(f"s{stage:<5} " + "".join(f"{cell:<{width}}" for cell in cells))
+        for rank in range(self.stages):
+            cells = (str(row[rank]) if rank < len(row) and row[rank] is not None else "." for row in self.table)
+            lines.append(f"s{rank:<5} " + "".join(f"{cell:<{width}}" for cell in cells))
         return "\n".join(line.rstrip() for line in lines)
 
+    def to_text(self) -> str:
+        """The schedule as text that :meth:`from_text` reads back."""
+        return (f"{self.name} stages={self.stages} chunks={self.chunks} virtual={self.virtual}\n"
+                + "\n".join(" ".join(str(cell) if cell is not None else "." for cell in row) for row in self.table))
+
+    @classmethod
+    def from_text(cls, text: str) -> Schedule:
+        """Read a schedule written by :meth:`to_text`."""
+        head, *rows = text.strip().splitlines()
+        match = re.fullmatch(r"(\S+) stages=(\d+) chunks=(\d+) virtual=(\d+)", head.strip())
+        if not match:
+            raise ValueError(f"text: first line {head!r} is not 'NAME stages=S chunks=M virtual=V'")
+        table = tuple(tuple(None if cell == "." else Action.parse(cell) for cell in row.split()) for row in rows)
+        return cls(match[1], int(match[2]), int(match[3]), table, int(match[4]))
+
     def __str__(self) -> str:
-        return (f"{self.name}: {self.stages} stages, {self.chunks} microbatches, {self.clocks} clocks, "
+        virtual = f", {self.virtual} model stages per rank" if self.virtual > 1 else ""
+        return (f"{self.name}: {self.stages} stages, {self.chunks} microbatches{virtual}, {self.clocks} clocks, "
                 f"bubble {self.bubble_fraction:.1%}\n{self.grid()}")
 
 
-def gpipe(stages: int, chunks: int) -> Schedule:
+def clocked(name: str, stages: int, chunks: int, orders: list[list[Action]], virtual: int = 1) -> Schedule:
+    """The table that running each rank's ``orders`` gives: every action at the first
+    clock where its rank is free and the actions it depends on finished before.
+
+    Raises:
+        ValueError: if the orders deadlock (no rank can run its next action).
+    """
+    shell = Schedule(name, stages, chunks, (), virtual)
+    done: set[Action] = set()
+    position = [0] * stages
+    table: list[tuple[Action | None, ...]] = []
+    while any(position[rank] < len(orders[rank]) for rank in range(stages)):
+        row = [orders[rank][position[rank]] if position[rank] < len(orders[rank]) else None for rank in range(stages)]
+        row = [a if a is not None and all(any(option in done for option in needed)
+                                           for needed in shell._dependencies(a)) else None for a in row]
+        if not any(row):
+            stuck = [str(orders[r][position[r]]) for r in range(stages) if position[r] < len(orders[r])]
+            raise ValueError(f"schedule: {name} deadlocks at clock {len(table)}: ranks wait on {stuck}")
+        for rank, action in enumerate(row):
+            if action is not None:
+                position[rank] += 1
+        done.update(a for a in row if a is not None)
+        table.append(tuple(row))
+    return Schedule(name, stages, chunks, tuple(table), virtual)
+
+
+def gpipe(stages: int, chunks: int, virtual: int = 1) -> Schedule:
     """GPipe's fill-drain schedule: all forwards, then all backwards in reverse.
 
     Stage ``s`` runs the forward of microbatch ``t - s`` at clock ``t``; backward
     starts on the last stage with the last microbatch. The bubble fraction is
     ``(stages - 1) / (chunks + stages - 1)``.
     """
-    stages = check_positive_int(stages, "stages")
-    chunks = check_positive_int(chunks, "chunks")
-    span = chunks + stages - 1
-    table = []
-    for clock in range(span):
-        table.append(tuple(_maybe(s, FORWARD, clock - s, chunks) for s in range(stages)))
-    for clock in range(span):
-        table.append(tuple(_maybe(s, BACKWARD, chunks - 1 - (clock - (stages - 1 - s)), chunks)
-                           for s in range(stages)))
-    return Schedule("gpipe", stages, chunks, tuple(table))
+    stages, chunks = _sizes(stages, chunks)
+    _single("gpipe", virtual)
+    orders = [[Action(r, FORWARD, m) for m in range(chunks)] + [Action(r, BACKWARD, m) for m in reversed(range(chunks))]
+              for r in range(stages)]
+    return clocked("gpipe", stages, chunks, orders)
 
 
-SCHEDULES = {"gpipe": gpipe}
+def one_f_one_b(stages: int, chunks: int, virtual: int = 1) -> Schedule:
+    """1F1B: after a warm-up of ``stages - rank - 1`` forwards, each rank alternates
+    one forward and one backward, so it holds at most ``stages`` microbatches'
+    activations (GPipe holds ``chunks``); same bubble as GPipe."""
+    stages, chunks = _sizes(stages, chunks)
+    _single("1f1b", virtual)
+    orders = [_one_f_one_b_order([Action(r, FORWARD, m) for m in range(chunks)],
+                                 [Action(r, BACKWARD, m) for m in range(chunks)], stages - r - 1)
+              for r in range(stages)]
+    return clocked("1f1b", stages, chunks, orders)
 
 
-def by_name(name: str, stages: int, chunks: int) -> Schedule:
+def interleaved(stages: int, chunks: int, virtual: int = 2) -> Schedule:
+    """Interleaved 1F1B (Megatron-LM's): ``virtual`` model stages per rank, placed
+    round-robin; microbatches go through the rank's stages in groups of ``stages``,
+    which shrinks the bubble to about ``(stages - 1) / (virtual * chunks + stages - 1)``.
+
+    Raises:
+        ValueError: if ``chunks`` is not a multiple of ``stages``.
+    """
+    stages, chunks = _sizes(stages, chunks)
+    virtual = check_positive_int(virtual, "virtual")
+    if chunks % stages:
+        raise ValueError(f"chunks: interleaved 1F1B takes microbatches in groups of stages={stages}; use chunks "
+                         f"a multiple of {stages} (e.g. {stages * max(1, round(chunks / stages))}), or '1f1b'")
+    groups = range(chunks // stages)
+    orders = []
+    for r in range(stages):
+        forwards = [Action(v * stages + r, FORWARD, m) for g in groups for v in range(virtual)
+                    for m in range(g * stages, (g + 1) * stages)]
+        backwards = [Action(v * stages + r, BACKWARD, m) for g in groups for v in reversed(range(virtual))
+                     for m in range(g * stages, (g + 1) * stages)]
+        warmup = min(len(forwards), (stages - r - 1) * 2 + (virtual - 1) * stages)
+        orders.append(_one_f_one_b_order(forwards, backwards, warmup))
+    return clocked("interleaved", stages, chunks, orders, virtual)
+
+
+def zero_bubble_h1(stages: int, chunks: int, virtual: int = 1) -> Schedule:
+    """ZB-H1 (zero bubble, Qi et al. 2023): each backward split into ``I`` (the
+    input's gradient, which the previous stage waits for) and ``W`` (the weights'
+    gradient, which nobody waits for). Each rank, every clock, runs its next ``I``
+    if it is ready, else its next forward while it holds fewer than
+    ``stages - rank`` microbatches (1F1B's memory), else a pending ``W``: the
+    ``W``s fill what would be bubbles."""
+    stages, chunks = _sizes(stages, chunks)
+    _single("zb-h1", virtual)
+    shell = Schedule("zb-h1", stages, chunks, ())
+    done: set[Action] = set()
+    table: list[tuple[Action | None, ...]] = []
+    while len(done) < 3 * stages * chunks:
+        row = tuple(_zero_bubble_choice(shell, rank, done) for rank in range(stages))
+        done.update(action for action in row if action is not None)
+        table.append(row)
+    return Schedule("zb-h1", stages, chunks, tuple(table))
+
+
+def _zero_bubble_choice(shell: Schedule, rank: int, done: set[Action]) -> Action | None:
+    """What ``rank`` runs next under ZB-H1's policy, given what finished before this clock."""
+    forwards = sum(Action(rank, FORWARD, m) in done for m in range(shell.chunks))
+    inputs = sum(Action(rank, INPUT_GRAD, m) in done for m in range(shell.chunks))
+    weights = sum(Action(rank, WEIGHT_GRAD, m) in done for m in range(shell.chunks))
+    ready = [a for a in (Action(rank, INPUT_GRAD, inputs), Action(rank, FORWARD, forwards)) if a.microbatch < shell.chunks
+             and all(any(option in done for option in needed) for needed in shell._dependencies(a))]
+    if ready and ready[0].kind == INPUT_GRAD:
+        return ready[0]
+    if ready and forwards - inputs < shell.stages - rank:
+        return ready[-1] if ready[-1].kind == FORWARD else None
+    return Action(rank, WEIGHT_GRAD, weights) if weights < inputs else None
+
+
+def circular(stages: int, chunks: int, virtual: int = 2) -> Schedule:
+    """GPipe over ``virtual`` rounds of the stage ring (MaxText's circular pipeline,
+    the form an SPMD ring runs): rank ``r`` holds model stages ``r, r + stages, ...``;
+    every microbatch goes round the ring ``virtual`` times, then all backwards run
+    in reverse. The bubble is ``(stages - 1) / (virtual * chunks + stages - 1)``
+    when ``chunks`` is a multiple of ``stages``.
+
+    Raises:
+        ValueError: if ``chunks`` is smaller than ``stages`` (a microbatch would
+            come round before the ring is free).
+    """
+    stages, chunks = _sizes(stages, chunks)
+    virtual = check_positive_int(virtual, "virtual")
+    if virtual > 1 and chunks < stages:
+        raise ValueError(f"chunks: a circular pipeline needs at least stages={stages} microbatches to keep the "
+                         f"ring busy; use chunks >= {stages}, or 'gpipe'")
+    orders = [[Action(v * stages + r, FORWARD, m) for v in range(virtual) for m in range(chunks)]
+              + [Action(v * stages + r, BACKWARD, m) for v in reversed(range(virtual)) for m in reversed(range(chunks))]
+              for r in range(stages)]
+    return clocked("circular", stages, chunks, orders, virtual)
+
+
+def _one_f_one_b_order(forwards: list[Action], backwards: list[Action], warmup: int) -> list[Action]:
+    """``warmup`` forwards, then one forward and one backward in turn, then the rest."""
+    warmup = min(warmup, len(forwards))
+    order = forwards[:warmup]
+    for forward, backward in zip(forwards[warmup:], backwards):
+        order += [forward, backward]
+    return order + backwards[len(forwards) - warmup:]
+
+
+def _sizes(stages: int, chunks: int) -> tuple[int, int]:
+    return check_positive_int(stages, "stages"), check_positive_int(chunks, "chunks")
+
+
+def _single(name: str, virtual: int) -> None:
+    if check_positive_int(virtual, "virtual") != 1:
+        raise ValueError(f"virtual: {name!r} runs one model stage per rank; use virtual=1, or 'interleaved' / "
+                         "'circular' for several")
+
+
+SCHEDULES: dict[str, Callable[..., Schedule]] = {
+    "gpipe": gpipe,
+    "1f1b": one_f_one_b,
+    "interleaved": interleaved,
+    "zb-h1": zero_bubble_h1,
+    "circular": circular,
+}
+
+
+def by_name(name: str, stages: int, chunks: int, virtual: int = 1) -> Schedule:
     """Build the schedule called ``name``; raises ``ValueError`` naming the options."""
     if name not in SCHEDULES:
         raise ValueError(f"schedule: {name!r} is not a schedule; use one of {', '.join(SCHEDULES)}")
-    return SCHEDULES[name](stages, chunks)
-
-
-def _maybe(stage: int, kind: str, microbatch: int, chunks: int) -> Action | None:
-    return Action(stage, kind, microbatch) if 0 <= microbatch < chunks else None
+    return SCHEDULES[name](stages, chunks, virtual)

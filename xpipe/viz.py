@@ -32,7 +32,11 @@ from matplotlib.ticker import MaxNLocator  # noqa: E402
 
 from xpipe._format import human  # noqa: E402
 from xpipe.partition import Partition, layer_cost  # noqa: E402
-from xpipe.schedule import FORWARD, Schedule  # noqa: E402
+from xpipe.schedule import BACKWARD, FORWARD, INPUT_GRAD, WEIGHT_GRAD, Schedule  # noqa: E402
+
+_OPACITY = {FORWARD: 0.9, INPUT_GRAD: 0.6, BACKWARD: 0.45, WEIGHT_GRAD: 0.3}
+_KIND_NAMES = {FORWARD: "forward", BACKWARD: "backward", INPUT_GRAD: "input gradient (I)",
+               WEIGHT_GRAD: "weight gradient (W)"}
 
 FORMATS = ("svg", "png", "html")
 MAX_NODES = 40  # beyond this many layers the graph panel groups runs of layers
@@ -193,13 +197,13 @@ def _schedule_panel(axes, schedule: Schedule, colours, hover: dict[str, str]) ->
                 cell = Rectangle((clock, stage), 1, 1, facecolor="0.92", hatch="///", edgecolor="0.75", linewidth=0.3)
                 hover[gid] = f"clock {clock}, stage {stage}: idle (bubble)"
             else:
-                forward = action.kind == FORWARD
-                cell = Rectangle((clock, stage), 1, 1, facecolor=colours[stage], alpha=0.9 if forward else 0.45,
-                                 edgecolor="white", linewidth=0.5)
-                axes.text(clock + 0.5, stage + 0.5, f"{action.kind}{action.microbatch}", ha="center", va="center",
-                          fontsize=6)
-                hover[gid] = f"clock {clock}, stage {stage}: {'forward' if forward else 'backward'} of " \
-                             f"microbatch {action.microbatch}"
+                cell = Rectangle((clock, stage), 1, 1, facecolor=colours[stage], alpha=_OPACITY[action.kind],
+                                 hatch="..." if action.kind == WEIGHT_GRAD else None, edgecolor="white",
+                                 linewidth=0.5)
+                label = str(action) if schedule.virtual > 1 else f"{action.kind}{action.microbatch}"
+                axes.text(clock + 0.5, stage + 0.5, label, ha="center", va="center", fontsize=6)
+                hover[gid] = f"clock {clock}, stage {stage}: {_KIND_NAMES[action.kind]} of model stage " \
+                             f"{action.stage}, microbatch {action.microbatch}"
             cell.set_gid(gid)
             axes.add_patch(cell)
     axes.set_xlim(0, schedule.clocks)
@@ -208,8 +212,8 @@ def _schedule_panel(axes, schedule: Schedule, colours, hover: dict[str, str]) ->
                     fontsize=8)
     axes.xaxis.set_major_locator(MaxNLocator(integer=True))
     axes.set_xlabel("clock", fontsize=8)
-    axes.set_title(f"{schedule.name}: {schedule.chunks} microbatches, bubble {schedule.bubble_fraction:.1%} "
-                   f"= (S-1)/(M+S-1)", fontsize=10)
+    axes.set_title(f"{schedule.name}: {schedule.chunks} microbatches, bubble {schedule.bubble_fraction:.1%}, "
+                   f"peak in flight {max(schedule.peak_in_flight)} microbatches (read from the table)", fontsize=10)
 
 
 def _layer_hover(partition: Partition, box: Box) -> str:
@@ -247,7 +251,8 @@ def _html(svg: str, partition: Partition, schedule: Schedule) -> str:
     title = f"xpipe: {partition.graph.graph['model']} on {len(partition.balance)} stages"
     return (f"<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\"><title>{title}</title>"
             "<style>body{font-family:sans-serif;margin:1em} svg{max-width:100%;height:auto}</style></head>"
-            f"<body><h1>{title}</h1><p>{schedule.chunks} microbatches, bubble {schedule.bubble_fraction:.1%}, "
+            f"<body><h1>{title}</h1><p>{schedule.name}: {schedule.chunks} microbatches, bubble "
+            f"{schedule.bubble_fraction:.1%}, peak in flight {max(schedule.peak_in_flight)} microbatches, "
             f"imbalance {partition.imbalance:.3f}. Hover over layers, bars and cells for details.</p>"
             f"{svg}</body></html>\n")
 

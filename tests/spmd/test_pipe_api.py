@@ -74,7 +74,9 @@ def test_bad_arguments_name_themselves(mesh):
         xpipe.Pipe(tiny_mlp(), chunks=2, mesh=mesh, checkpoint="sometimes")
     with pytest.raises(ValueError, match="executor: 'gpu' is not an executor"):
         xpipe.Pipe(tiny_mlp(), chunks=2, mesh=mesh, executor="gpu")
-    with pytest.raises(ValueError, match="schedule: '1f1b' is not a schedule"):
+    with pytest.raises(ValueError, match="schedule: 'zb' is not a schedule"):
+        xpipe.Pipe(tiny_mlp(), chunks=2, mesh=mesh, schedule="zb")
+    with pytest.raises(ValueError, match="schedule: the spmd executor runs 'gpipe' only"):
         xpipe.Pipe(tiny_mlp(), chunks=2, mesh=mesh, schedule="1f1b")
     with pytest.raises(ValueError, match="stages: the model's body has 3 blocks, fewer than the 4 stages"):
         xpipe.Pipe(tiny_mlp(blocks=3), chunks=2, mesh=mesh)

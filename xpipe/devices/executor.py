@@ -360,12 +360,14 @@ def _clocks(schedule: Schedule) -> tuple[list[list[Action]], list[list[Action]]]
 
 
 def _cells_by_clock(schedule: Schedule, kind: str) -> list[list[Action]]:
-    rows = [[cell for cell in row if cell is not None and cell.kind == kind] for row in schedule.table]
+    kinds = {cell.kind for row in schedule.table for cell in row if cell is not None}
     forward_ends = max((t for t, row in enumerate(schedule.table) if any(c and c.kind == FORWARD for c in row)))
-    backward_starts = min((t for t, row in enumerate(schedule.table) if any(c and c.kind == BACKWARD for c in row)))
-    if forward_ends >= backward_starts:
-        raise ValueError(f"schedule: {schedule.name!r} interleaves forward and backward cells; the devices "
-                         "executor runs all forward cells before the backward pass (use 'gpipe')")
+    backward_starts = min((t for t, row in enumerate(schedule.table) if any(c and c.kind != FORWARD for c in row)))
+    if forward_ends >= backward_starts or kinds != {FORWARD, BACKWARD} or schedule.virtual != 1:
+        raise ValueError(f"schedule: {schedule.name!r} interleaves forward and backward cells (or splits the "
+                         "backward, or puts several model stages on a device); the devices executor runs all "
+                         "forward cells before the backward pass, one stage per device (use 'gpipe')")
+    rows = [[cell for cell in row if cell is not None and cell.kind == kind] for row in schedule.table]
     return [row for row in rows if row]
 
 

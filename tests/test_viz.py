@@ -158,3 +158,9 @@ def test_a_zero_bubble_schedule_shows_its_split_backward(tmp_path):
     assert "input gradient (I) of model stage 2, microbatch 0" in html
     assert "weight gradient (W) of model stage 0, microbatch 3" in html
     assert "peak in flight 3 microbatches" in html
+
+
+def test_command_line_draws_any_schedule_with_its_virtual_stages(capsys):
+    assert main(["xpipe.models:small_cnn", "--stages", "2", "--chunks", "4", "--schedule", "interleaved",
+                 "--virtual", "2", "--out", "-"]) == 0
+    assert "interleaved: 2 stages, 4 microbatches, 2 model stages per rank" in capsys.readouterr().out

@@ -28,7 +28,7 @@ def main(argv: list[str] | None = None) -> int:
     arguments = parser.parse_args(argv)
     try:
         plan = _plan(arguments)
-        schedule = by_name(arguments.schedule, len(plan.balance), arguments.chunks)
+        schedule = by_name(arguments.schedule, len(plan.balance), arguments.chunks, arguments.virtual)
         from xpipe.viz import render, render_text
 
         if arguments.out == "-":
@@ -52,6 +52,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--input-dtype", choices=("auto", "float32", "int64"), default="auto",
                         help="sample input dtype; auto picks int64 when the first layer embeds tokens")
     parser.add_argument("--schedule", choices=sorted(SCHEDULES), default="gpipe")
+    parser.add_argument("--virtual", type=int, default=1,
+                        help="model stages per rank, for interleaved and circular (default: 1)")
     parser.add_argument("--out", required=True, help="FILE.svg, FILE.png, FILE.html, or - for text")
     return parser
 

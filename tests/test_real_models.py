@@ -145,3 +145,11 @@ def test_vit_on_four_devices():
     pipe = assert_pipe_matches(model, images, targets, F.cross_entropy, chunks=4, stages=4, executor="devices")
     holding_blocks = [any(name.startswith("encoder.layers.") for name in stage) for stage in pipe.partition.stages]
     assert sum(holding_blocks) >= 2, f"the encoder's blocks are layers of their own: {pipe.partition.stages}"
+
+
+def test_a_one_row_sample_still_fits_every_microbatch_size_and_other_shapes_are_named():
+    pipe = xpipe.Pipe(llama(layers=2), chunks=4, stages=2, sample_input={"input_ids": tokens(1, 8)})
+    assert pipe(input_ids=tokens(8, 8)).logits.shape == (8, 8, 128)  # microbatches of 2 rows
+    with pytest.raises(ValueError, match="x: the model was captured by torch.export on sample_input, and this "
+                                         "microbatch does not fit that graph"):
+        pipe(input_ids=tokens(8, 5))  # another sequence length

@@ -162,7 +162,7 @@ def _trace_fx(module: nn.Module, opened: set[str]) -> tuple[torch.fx.GraphModule
 def _export(module: nn.Module, sample_input: Any) -> torch.fx.GraphModule:
     """torch.export's graph of ``module``, its batch dims left free (a microbatch is
     smaller than the sample)."""
-    args, kwargs = input_values(sample_input)
+    args, kwargs = _at_least_two_rows(*input_values(sample_input))
     named = inspect.signature(module.forward).bind_partial(*args, **kwargs).arguments  # as export names them
     batch_free = {name: tree_map(lambda x: {0: torch.export.Dim.AUTO} if isinstance(x, torch.Tensor) and x.dim()
                                  else None, value) for name, value in named.items()}
@@ -177,6 +177,15 @@ def _export(module: nn.Module, sample_input: Any) -> torch.fx.GraphModule:
         for key in ("val", "tensor_meta", "example_value", "unbacked_bindings"):
             node.meta.pop(key, None)
     return traced
+
+
+def _at_least_two_rows(args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
+    """A sample of one row, given twice: torch.export fixes a dim of size 1 and the
+    graph would then refuse every other microbatch size."""
+    tensors = [x for x in tree_flatten((args, kwargs))[0] if isinstance(x, torch.Tensor) and x.dim()]
+    if not tensors or any(x.shape[0] != 1 for x in tensors):
+        return args, kwargs
+    return tree_map(lambda x: torch.cat([x, x]) if isinstance(x, torch.Tensor) and x.dim() else x, (args, kwargs))
 
 
 def _assign_by_calls(traced: torch.fx.GraphModule) -> dict[torch.fx.Node, str]:

@@ -140,7 +140,15 @@ class DevicesPipeline(nn.Module):
         step = _Step(self, [dict(zip(names, values)) for values in zip(*split)], microbatch_dim,
                      differentiating=differentiating, input_grads=[key for key, _ in wanted])
         parameters = [p for stage in range(len(self.devices)) for p in self.stage_parameters(stage)]
-        leaves = _PipelineFunction.apply(step, *[x for _, x in wanted], *parameters)
+        try:
+            leaves = _PipelineFunction.apply(step, *[x for _, x in wanted], *parameters)
+        except AssertionError as error:
+            if "Guard failed" not in str(error):
+                raise
+            raise ValueError(
+                f"x: the model was captured by torch.export on sample_input, and this microbatch does not fit "
+                f"that graph ({error}); pass a sample_input shaped like your batches (only the batch dim may "
+                "differ)") from error
         output = tree_unflatten(list(leaves), step.output_spec)
         if self.staged.output_spec is not None:  # torch.export's flat outputs, folded as the model returns them
             output = tree_unflatten(list(output), self.staged.output_spec)

@@ -16,7 +16,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch import nn
 
-_MARK = "_xpipe_retired"  # attribute on a retired Parameter: where its values live now
+_MARK = "_xpipe_retired"  # set (True) on a Parameter a Pipe replaced
 
 
 def retire_parameters(parameters: Iterable[nn.Parameter]) -> None:

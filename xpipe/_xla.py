@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import gc
 import importlib.util
 import weakref
 
 import torch
-import torch.autograd
 from torch import nn
 
 from xpipe._retired import retire_parameters
@@ -101,7 +99,6 @@ def move_keeping_ties(modules: list[nn.Module], device: torch.device) -> dict[in
         (buffers always are): :func:`rebind` puts the new ones into other modules
         that held the old ones.
     """
-    gc.collect()  # weak references that tracing left and nothing holds any more
     moved: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(old) -> (old, new); old kept alive,
     for module in modules:                                     # so that no new tensor reuses its id
         for owner in module.modules():

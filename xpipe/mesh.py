@@ -51,6 +51,17 @@ def make_mesh(stages: int, data: int | None = None) -> xs.Mesh:
         ValueError: if ``data * stages`` is not the device count; the message lists
             the stage counts that would fit.
     """
+    data, stages = mesh_shape(stages, data)
+    spmd_device()
+    return xs.Mesh(np.arange(data * stages).reshape(stages, data).T.flatten(), (data, stages), AXES)
+
+
+def mesh_shape(stages: int, data: int | None = None) -> tuple[int, int]:
+    """``(data, stages)`` of a mesh of all XLA devices, checked without entering SPMD mode.
+
+    Raises:
+        ValueError: as :func:`make_mesh`.
+    """
     devices = xr.global_runtime_device_count()
     stages = check_positive_int(stages, "stages")
     data = devices // stages if data is None else check_positive_int(data, "data")
@@ -60,5 +71,4 @@ def make_mesh(stages: int, data: int | None = None) -> xs.Mesh:
             f"stages: a mesh of data={data} x stages={stages} needs {data * stages} devices but there are "
             f"{devices}; use stages in {fits} with data = {devices} // stages"
         )
-    spmd_device()
-    return xs.Mesh(np.arange(devices).reshape(stages, data).T.flatten(), (data, stages), AXES)
+    return data, stages

@@ -33,7 +33,7 @@ from xpipe.capture import place_constants_on
 from xpipe.checkpoint import check_mode
 from xpipe.devices.executor import DevicesPipeline
 from xpipe.devices.stages import StagedModel, cut_into_stages
-from xpipe.mesh import make_mesh, spmd_device
+from xpipe.mesh import make_mesh, mesh_shape, spmd_device
 from xpipe.partition import Partition, partition
 from xpipe.schedule import Schedule, by_name
 from xpipe.spmd.executor import SpmdPipeline, spread
@@ -116,24 +116,22 @@ class Pipe(nn.Module):
         if not isinstance(deferred_batch_norm, bool):
             raise ValueError(f"deferred_batch_norm: must be True or False, got {deferred_batch_norm!r}")
         by_name(schedule, 1, 1)  # an unknown name fails here, before any device work
-        self.sample_input = sample_input
         self.executor = _choose_executor(executor, module, mesh, stages, balance, sample_input)
         self._original_keys = list(module.state_dict(keep_vars=True))
         if self.executor == "spmd":
-            self._build_spmd(module, balance, mesh, stages, schedule)
+            self._build_spmd(module, balance, mesh, stages, schedule, sample_input)
         else:
-            self._build_devices(module, balance, mesh, stages, schedule, deferred_batch_norm)
-        self.sample_input = None  # captured; not kept alive
+            self._build_devices(module, balance, mesh, stages, schedule, deferred_batch_norm, sample_input)
         if not module.training:
             self.eval()  # a model wrapped in eval mode stays in eval mode
 
     def _build_spmd(self, module: nn.Module, balance: Sequence[int] | None, mesh: xs.Mesh | None,
-                    stages: int | None, schedule: str) -> None:
+                    stages: int | None, schedule: str, sample_input: Any) -> None:
         stages = _spmd_stage_count(mesh, stages, balance)
-        plan = partition(module, stages, sample_input=self.sample_input)
-        stacked = cut_for_stacking(module, plan, self.sample_input)
+        plan = partition(module, stages, sample_input=sample_input)
+        stacked = cut_for_stacking(module, plan, sample_input)
         self.partition: Partition = _spmd_partition(module, plan, spread(len(stacked.blocks), stages), balance,
-                                                    self.sample_input)
+                                                    sample_input)
         self.schedule: Schedule = by_name(schedule, stages, self.chunks)
         if self.schedule.name != "gpipe":
             raise ValueError(f"schedule: the spmd executor runs 'gpipe' only (its clock loop is GPipe's "
@@ -146,7 +144,7 @@ class Pipe(nn.Module):
         retire(module, [p for block in stacked.blocks for p in block.parameters()])
 
     def _build_devices(self, module: nn.Module, balance: Sequence[int] | None, mesh: xs.Mesh | None,
-                       stages: int | None, schedule: str, deferred_batch_norm: bool) -> None:
+                       stages: int | None, schedule: str, deferred_batch_norm: bool, sample_input: Any) -> None:
         if mesh is not None:
             raise ValueError("mesh: the devices executor puts one stage on each XLA device and takes no mesh; "
                              "leave mesh out, or use executor='spmd'")
@@ -156,8 +154,8 @@ class Pipe(nn.Module):
         stages = _stage_count(stages, balance, xr.global_runtime_device_count())
         self.mesh = None
         self.schedule = by_name(schedule, stages, self.chunks)
-        self.partition = partition(module, stages, balance=balance, sample_input=self.sample_input)
-        staged = cut_into_stages(module, self.partition, self.sample_input)
+        self.partition = partition(module, stages, balance=balance, sample_input=sample_input)
+        staged = cut_into_stages(module, self.partition, sample_input)
         _check_no_ties_across_stages(staged)
         self.devices = [torch_xla.device(index) for index in range(stages)]
         warm_autograd(self.devices[0])
@@ -288,13 +286,7 @@ def _spmd_stage_count(mesh: xs.Mesh | None, stages: int | None, balance: Sequenc
     before the process is switched into SPMD mode."""
     requested = _requested_stages(stages, balance)
     if mesh is None:
-        devices = xr.global_runtime_device_count()
-        stages = check_positive_int(devices if requested is None else requested, "stages")
-        if devices % stages:
-            fits = [s for s in range(1, devices + 1) if devices % s == 0]
-            raise ValueError(f"stages: {stages} stages do not divide the {devices} devices into a data x stage "
-                             f"mesh; use stages in {fits}")
-        return stages
+        return mesh_shape(xr.global_runtime_device_count() if requested is None else requested)[1]
     if not isinstance(mesh, xs.Mesh) or tuple(mesh.axis_names) != ("data", "stage"):
         raise ValueError(f"mesh: expected a ('data', 'stage') mesh, got {getattr(mesh, 'axis_names', mesh)!r}; "
                          "build it with xpipe.make_mesh")

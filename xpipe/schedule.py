@@ -301,12 +301,11 @@ def _zero_bubble_choice(shell: Schedule, rank: int, done: set[Action]) -> Action
     forwards = sum(Action(rank, FORWARD, m) in done for m in range(shell.chunks))
     inputs = sum(Action(rank, INPUT_GRAD, m) in done for m in range(shell.chunks))
     weights = sum(Action(rank, WEIGHT_GRAD, m) in done for m in range(shell.chunks))
-    ready = [a for a in (Action(rank, INPUT_GRAD, inputs), Action(rank, FORWARD, forwards)) if a.microbatch < shell.chunks
+    candidates = (Action(rank, INPUT_GRAD, inputs), Action(rank, FORWARD, forwards))
+    ready = [a for a in candidates if a.microbatch < shell.chunks
              and all(any(option in done for option in needed) for needed in shell._dependencies(a))]
-    if ready and ready[0].kind == INPUT_GRAD:
+    if ready and (ready[0].kind == INPUT_GRAD or forwards - inputs < shell.stages - rank):
         return ready[0]
-    if ready and forwards - inputs < shell.stages - rank:
-        return ready[-1] if ready[-1].kind == FORWARD else None
     return Action(rank, WEIGHT_GRAD, weights) if weights < inputs else None
 
 

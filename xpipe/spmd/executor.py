@@ -159,8 +159,9 @@ class SpmdPipeline(nn.Module):
     def _step_seed(self, device: torch.device) -> torch.Tensor:
         """A seed for this step's dropout masks, from torch's default generator
         (``torch.manual_seed`` makes a run repeatable); data, so no recompile."""
-        seed = torch.randint(0, 2**31 - 1, (), dtype=torch.int32) if self.training else torch.zeros((), dtype=torch.int32)
-        return seed.to(device)
+        if not self.training:
+            return torch.zeros((), dtype=torch.int32, device=device)
+        return torch.randint(0, 2**31 - 1, (), dtype=torch.int32).to(device)
 
     def _tick(self, recomputed: bool, features: tuple[int, ...]) -> Callable:
         """The loop body for one feature shape; kept, so that scan's trace cache finds it again."""

@@ -7,11 +7,27 @@ from collections.abc import Callable
 
 import torch
 import torch_xla
+import torch_xla.debug.metrics as metrics
 
 import xpipe
 
 # fp32 on both sides; the pipeline sums microbatch gradients in another order.
 RTOL, ATOL = 1e-4, 1e-5
+
+
+def train_steps(loss_of_step: Callable[[], torch.Tensor], optimizer: torch.optim.Optimizer,
+                steps: int = 5) -> tuple[list[float], list[int]]:
+    """Run ``steps`` training steps; the loss and the process's compile count after each."""
+    losses, compiles = [], []
+    for _ in range(steps):
+        loss = loss_of_step()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        torch_xla.sync()
+        losses.append(loss.item())
+        compiles.append(metrics.metric_data("CompileTime")[0])
+    return losses, compiles
 
 
 def assert_pipe_matches(model: torch.nn.Module, batch: torch.Tensor, targets: torch.Tensor,

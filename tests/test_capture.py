@@ -54,7 +54,8 @@ def test_a_hugging_face_llama_is_captured_with_its_own_layer_names():
 def test_gpt2_with_labels_keeps_its_loss_in_the_last_layer():
     plan = xpipe.partition(gpt2(), 4, sample_input={"input_ids": tokens(), "labels": tokens()})
     assert plan.stages[0][0] == "transformer.wte" and plan.stages[-1][-1] == "lm_head"
-    assert [name for stage in plan.stages for name in stage if ".h." in name] == [f"transformer.h.{i}" for i in range(4)]
+    blocks = [name for stage in plan.stages for name in stage if ".h." in name]
+    assert blocks == [f"transformer.h.{i}" for i in range(4)]
     assert plan.repeated.per_stage == (1, 1, 1, 1)
 
 
@@ -74,8 +75,8 @@ def test_torchvisions_vit_exposes_its_encoder_blocks_without_a_sample():
 
 
 def test_a_transformer_encoder_is_opened_by_export_and_kept_whole_by_fx():
-    model = nn.Sequential(nn.Linear(8, 16), nn.TransformerEncoder(nn.TransformerEncoderLayer(16, 2, 32, batch_first=True), 4),
-                          nn.Linear(16, 8))
+    layer = nn.TransformerEncoderLayer(16, 2, 32, batch_first=True)
+    model = nn.Sequential(nn.Linear(8, 16), nn.TransformerEncoder(layer, 4), nn.Linear(16, 8))
     _, whole = trace_layers(model)  # fx cannot trace TransformerEncoder.forward: it stays one layer
     assert sorted(set(whole.values())) == ["0", "1", "2"]
     plan = xpipe.partition(model, 2, sample_input=torch.randn(2, 5, 8))

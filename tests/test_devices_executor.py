@@ -11,8 +11,7 @@ import torch
 import torch.nn.functional as F
 import torch_xla
 import torch_xla.core.xla_model as xm
-import torch_xla.debug.metrics as metrics
-from equivalence import assert_pipe_matches
+from equivalence import assert_pipe_matches, train_steps
 
 import xpipe
 from xpipe.models import mlp_stack, resnet_like, small_cnn, transformer_lm, unet
@@ -67,15 +66,7 @@ def test_five_training_steps_compile_once():
     assert pipe.executor == "devices", "auto: the 2 identical blocks of the first width are fewer than 4 stages"
     optimizer = torch.optim.SGD(pipe.parameters(), lr=0.1)
     targets = torch.randint(0, 10, (8,), generator=torch.Generator().manual_seed(0)).to(pipe.devices[-1])
-    compiles, losses = [], []
-    for _ in range(5):
-        loss = F.cross_entropy(pipe(images(8)), targets)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        torch_xla.sync()
-        losses.append(loss.item())
-        compiles.append(metrics.metric_data("CompileTime")[0])
+    losses, compiles = train_steps(lambda: F.cross_entropy(pipe(images(8)), targets), optimizer)
     assert compiles[1:] == [compiles[0]] * 4, f"compiles after each step: {compiles}"
     assert losses[-1] < losses[0]
 

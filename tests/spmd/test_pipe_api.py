@@ -5,10 +5,10 @@ import copy
 import pytest
 import torch
 import torch_xla
-import torch_xla.debug.metrics as metrics
 
 import xpipe
 from xpipe.models import small_cnn
+from equivalence import train_steps
 from pipe_checks import ATOL, RTOL, batch_for, loss_of, tiny_lm, tiny_mlp
 
 
@@ -57,13 +57,7 @@ def test_five_training_steps_compile_once(mesh):
     optimizer = torch.optim.SGD(pipe.parameters(), lr=0.1)
     batch, targets = batch_for(model, 16)
     targets = targets.to(torch_xla.device())
-    compiles = []
-    for _ in range(5):
-        loss_of(pipe(batch), targets).backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        torch_xla.sync()
-        compiles.append(metrics.metric_data("CompileTime")[0])
+    _, compiles = train_steps(lambda: loss_of(pipe(batch), targets), optimizer)
     assert compiles[1:] == [compiles[0]] * 4
 
 

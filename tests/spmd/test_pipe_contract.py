@@ -14,11 +14,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 import torch_xla
-import torch_xla.debug.metrics as metrics
 from torch import nn
 
 import xpipe
-from equivalence import assert_pipe_matches
+from equivalence import assert_pipe_matches, train_steps
 from pipe_checks import ATOL, RTOL, batch_for, loss_of, tiny_lm, tiny_mlp
 from xpipe.models import MLPBlock
 
@@ -206,15 +205,7 @@ def test_bfloat16_trains_compiles_once_and_stays_near_float32(mesh):
     pipe = xpipe.Pipe(model.to(torch.bfloat16), chunks=4, mesh=mesh)
     optimizer = torch.optim.SGD(pipe.parameters(), lr=0.1)
     batch, targets = batch_for(model, 8)
-    compiles, losses = [], []
-    for _ in range(5):
-        loss = loss_of(pipe(batch).float(), targets.to(pipe.devices[0]))
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        torch_xla.sync()
-        losses.append(loss.item())
-        compiles.append(metrics.metric_data("CompileTime")[0])
+    losses, compiles = train_steps(lambda: loss_of(pipe(batch).float(), targets.to(pipe.devices[0])), optimizer)
     assert compiles[1:] == [compiles[0]] * 4, f"compiles after each step: {compiles}"
     assert pipe.runner.body.weights[0].dtype == torch.bfloat16
     expected = loss_of(reference(batch), targets).item()

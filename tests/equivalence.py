@@ -57,3 +57,36 @@ def assert_pipe_matches(model: torch.nn.Module, batch: torch.Tensor, targets: to
         torch.testing.assert_close(value.cpu(), reference.state_dict()[name], rtol=RTOL, atol=ATOL,
                                    msg=lambda m, name=name: f"{name} after one step: {m}")
     return pipe
+
+
+def assert_step_matches(model: torch.nn.Module, batch: torch.Tensor, target: torch.Tensor,
+                        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], **pipe_options) -> xpipe.Pipe:
+    """One ``pipe.step`` equals ``loss_fn(model(batch), target).backward()`` on the plain
+    model: the loss, every gradient, and every buffer after the step."""
+    reference = copy.deepcopy(model)
+    pipe = xpipe.Pipe(model, loss_fn=loss_fn, **pipe_options)
+    expected = loss_fn(reference(batch), target)
+    expected.backward()
+    loss = pipe.step(batch, target)
+    torch_xla.sync()
+    torch.testing.assert_close(loss.cpu(), expected.detach(), rtol=RTOL, atol=ATOL)
+    gradients = pipe.named_gradients()
+    for name, parameter in reference.named_parameters():
+        torch.testing.assert_close(gradients[name].cpu(), parameter.grad, rtol=RTOL, atol=ATOL,
+                                   msg=lambda m, name=name: f"gradient of {name}: {m}")
+    state = pipe.state_dict()
+    for name, buffer in reference.named_buffers():
+        torch.testing.assert_close(state[name].cpu(), buffer, rtol=RTOL, atol=ATOL,
+                                   msg=lambda m, name=name: f"buffer {name}: {m}")
+    return pipe
+
+
+def step_losses(pipe: xpipe.Pipe, optimizer: torch.optim.Optimizer, data) -> list[float]:
+    """Train with ``pipe.step`` on each ``(inputs, target)`` of ``data``; the losses."""
+    losses = []
+    for inputs, target in data:
+        losses.append(pipe.step(inputs, target))
+        optimizer.step()
+        optimizer.zero_grad()
+        torch_xla.sync()
+    return [loss.item() for loss in losses]

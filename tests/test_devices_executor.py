@@ -139,8 +139,9 @@ def test_bad_arguments_name_themselves():
     with pytest.raises(ValueError, match="module: parameter 'head.weight' is used in stage 3 and also in stage 0"):
         xpipe.Pipe(transformer_lm(blocks=2, width=16, heads=2, seq=8, vocab=32), chunks=2, stages=4,
                    executor="devices")
-    with pytest.raises(ValueError, match="schedule: '1f1b' interleaves forward and backward cells"):
-        xpipe.Pipe(small_cnn(), chunks=4, stages=2, schedule="1f1b")
+    interleaving = xpipe.Pipe(small_cnn(), chunks=4, stages=2, schedule="1f1b")
+    with pytest.raises(RuntimeError, match=r"schedule '1f1b' interleaves forwards and backwards.*pipe.step"):
+        interleaving(torch.zeros(8, 3, 32, 32))
     pipe = xpipe.Pipe(small_cnn(), chunks=4, stages=2)
     with pytest.raises(TypeError, match=r"x: the model takes 1 inputs \(input_1\), got 2"):
         pipe(torch.zeros(8, 3, 32, 32), torch.zeros(8))

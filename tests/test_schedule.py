@@ -4,6 +4,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from xpipe.checkpoint import kept_cells
 from xpipe.schedule import SCHEDULES, Action, Schedule, by_name, clocked, gpipe
 
 
@@ -75,9 +76,10 @@ def test_interleaved_places_model_stages_round_robin():
     assert [schedule.rank_of(stage) for stage in range(4)] == [0, 1, 0, 1]
 
 
-def test_zero_bubble_splits_the_backward_and_fills_the_drain_with_weight_gradients():
+def test_zero_bubble_splits_the_backward_and_bounds_memory_as_1f1b_does():
+    """Rank 1 may hold one microbatch until its W: it runs 1W0 before 1F1."""
     assert by_name("zb-h1", 2, 2).table == table(
-        "0F0 .", "0F1 1F0", ". 1I0", "0I0 1F1", "0W0 1I1", "0I1 1W0", "0W1 1W1",
+        "0F0 .", "0F1 1F0", ". 1I0", "0I0 1W0", "0W0 1F1", ". 1I1", "0I1 1W1", "0W1 .",
     )
 
 
@@ -128,3 +130,18 @@ def test_schedule_constraints_say_what_would_work():
 def test_validator_requires_input_gradient_before_weight_gradient():
     with pytest.raises(ValueError, match="0W0 runs before 0I0"):
         Schedule("early", 1, 1, table("0F0", "0W0", "0I0")).validate()
+
+
+def test_one_checkpoint_policy_read_from_the_table():
+    """``except_last`` keeps the cells from the last microbatch's entry on: under GPipe
+    microbatch ``chunks - 1 - s`` and later on stage ``s`` (the spmd executor's clock
+    split), on one stage only the last microbatch."""
+    schedule = gpipe(3, 4)
+    assert kept_cells(schedule, "except_last") == {(s, m) for s in range(3) for m in range(4) if s + m >= 3}
+    assert kept_cells(gpipe(1, 4), "except_last") == {(0, 3)}
+    assert kept_cells(schedule, "always") == frozenset()
+    assert kept_cells(schedule, "never") == {(s, m) for s in range(3) for m in range(4)}
+    one_f_one_b = by_name("1f1b", 2, 3)  # microbatch 2 enters at clock 4; 1F1 ran at clock 3
+    assert kept_cells(one_f_one_b, "except_last") == {(0, 2), (1, 2)}
+    with pytest.raises(ValueError, match="checkpoint: 'sometimes' is not a mode"):
+        kept_cells(schedule, "sometimes")

@@ -1,4 +1,8 @@
-"""Activation recomputation (GPipe's checkpointing) for a function of tensors.
+"""Activation recomputation (GPipe's checkpointing): which cells recompute, and how.
+
+:func:`kept_cells` is the one policy both executors follow: from a schedule and a
+mode, the (model stage, microbatch) cells whose forward keeps its activations;
+every other cell keeps only its inputs and runs again in the backward pass.
 
 ``recompute(fn, *tensors)`` runs ``fn`` without recording its intermediates and,
 in the backward pass, runs it again to get them. Only the inputs are kept. It is a
@@ -13,6 +17,8 @@ from collections.abc import Callable
 
 import torch
 
+from xpipe.schedule import FORWARD, Schedule
+
 MODES = ("always", "except_last", "never")
 
 
@@ -21,6 +27,26 @@ def check_mode(checkpoint: str) -> str:
     if checkpoint not in MODES:
         raise ValueError(f"checkpoint: {checkpoint!r} is not a mode; use one of {', '.join(MODES)}")
     return checkpoint
+
+
+def kept_cells(schedule: Schedule, checkpoint: str) -> frozenset[tuple[int, int]]:
+    """The (model stage, microbatch) cells of ``schedule`` that keep their activations.
+
+    ``"never"`` recomputes nothing, so every cell keeps; ``"always"`` keeps none.
+    ``"except_last"`` keeps the forwards that run from the clock at which the last
+    microbatch enters the pipeline (its forward on model stage 0) on: the drain,
+    whose backwards follow soon, so recomputing them would save little memory for
+    a whole extra forward. Under GPipe that is microbatch ``chunks - 1 - s`` and
+    later on stage ``s``: on one stage, only the last microbatch, as in GPipe.
+    """
+    cells = [(clock, action) for clock, row in enumerate(schedule.table) for action in row
+             if action is not None and action.kind == FORWARD]
+    if check_mode(checkpoint) == "never":
+        return frozenset((a.stage, a.microbatch) for _, a in cells)
+    if checkpoint == "always":
+        return frozenset()
+    entry = next(clock for clock, a in cells if a.stage == 0 and a.microbatch == schedule.chunks - 1)
+    return frozenset((a.stage, a.microbatch) for clock, a in cells if clock >= entry)
 
 
 def recompute(fn: Callable[..., torch.Tensor], *tensors: torch.Tensor) -> torch.Tensor:

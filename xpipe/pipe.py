@@ -15,7 +15,7 @@ device per stage.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -23,7 +23,7 @@ import torch_xla
 import torch_xla.distributed.spmd as xs
 import torch_xla.runtime as xr
 from torch import nn
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_map
 
 from xpipe._batch import batch_size, check_floating_inputs
 from xpipe._checks import check_positive_int
@@ -62,9 +62,18 @@ class Pipe(nn.Module):
             executor takes any balance.
         mesh: a ``("data", "stage")`` mesh for the spmd executor; defaults to
             ``xpipe.make_mesh(stages)``.
-        schedule: the schedule's name; both executors run ``"gpipe"`` (and the
-            devices executor any schedule whose forwards all come before its
-            backwards); the others (``xpipe.schedule.SCHEDULES``) are refused.
+        schedule: the schedule's name (``xpipe.schedule.SCHEDULES``). The spmd
+            executor runs ``"gpipe"``; the devices executor runs every schedule
+            with :meth:`step`, and with ``pipe(x)`` those whose forwards all come
+            before their backwards (``"gpipe"``, ``"circular"``), or any under
+            ``torch.no_grad()``. ``"auto"`` picks the devices executor for a
+            schedule the spmd one does not run.
+        virtual: model stages per device, for ``"interleaved"`` and ``"circular"``
+            (model stage ``s`` on device ``s % stages``); a ``balance`` then lists
+            ``stages * virtual`` entries.
+        loss_fn: ``loss_fn(output, target)`` for :meth:`step`, a scalar reduced by
+            mean (or by sum, if its ``reduction`` attribute says ``"sum"``), e.g.
+            ``torch.nn.CrossEntropyLoss()``.
         checkpoint: ``"always"``, ``"except_last"`` or ``"never"``: which
             microbatches recompute their stage activations in the backward pass.
         deferred_batch_norm: devices executor: BatchNorm layers normalise each
@@ -103,6 +112,8 @@ class Pipe(nn.Module):
         balance: Sequence[int] | None = None,
         mesh: xs.Mesh | None = None,
         schedule: str = "gpipe",
+        virtual: int = 1,
+        loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
         checkpoint: str = "except_last",
         deferred_batch_norm: bool = False,
         executor: str = "auto",
@@ -115,8 +126,12 @@ class Pipe(nn.Module):
         self.checkpoint = check_mode(checkpoint)
         if not isinstance(deferred_batch_norm, bool):
             raise ValueError(f"deferred_batch_norm: must be True or False, got {deferred_batch_norm!r}")
-        by_name(schedule, 1, 1)  # an unknown name fails here, before any device work
-        self.executor = _choose_executor(executor, module, mesh, stages, balance, sample_input)
+        self.virtual = check_positive_int(virtual, "virtual")
+        by_name(schedule, 1, 1, virtual)  # an unknown name, or a virtual it cannot run, fails before device work
+        if loss_fn is not None and not callable(loss_fn):
+            raise TypeError(f"loss_fn: expected a callable loss_fn(output, target), got {type(loss_fn).__name__}")
+        self.__dict__["loss_fn"] = loss_fn  # not a submodule: the loss is not part of the model's state
+        self.executor = _choose_executor(executor, module, mesh, stages, balance, sample_input, schedule, virtual)
         self._original_keys = list(module.state_dict(keep_vars=True))
         if self.executor == "spmd":
             self._build_spmd(module, balance, mesh, stages, schedule, sample_input)
@@ -127,6 +142,10 @@ class Pipe(nn.Module):
 
     def _build_spmd(self, module: nn.Module, balance: Sequence[int] | None, mesh: xs.Mesh | None,
                     stages: int | None, schedule: str, sample_input: Any) -> None:
+        if self.virtual != 1:
+            raise ValueError(f"virtual: the spmd executor runs one model stage per stage group (virtual=1), not "
+                             f"{self.virtual}; use virtual=1, or executor='devices' for interleaved or circular "
+                             "schedules")
         stages = _spmd_stage_count(mesh, stages, balance)
         plan = partition(module, stages, sample_input=sample_input)
         stacked = cut_for_stacking(module, plan, sample_input)
@@ -151,21 +170,61 @@ class Pipe(nn.Module):
         if xr.is_spmd():
             raise ValueError("executor: this process is in SPMD mode, where the 'devices' executor cannot run; "
                              "use executor='spmd', or run the devices executor in a process without SPMD")
-        stages = _stage_count(stages, balance, xr.global_runtime_device_count())
+        stages = _stage_count(stages, balance, xr.global_runtime_device_count(), self.virtual)
         self.mesh = None
-        self.schedule = by_name(schedule, stages, self.chunks)
-        self.partition = partition(module, stages, balance=balance, sample_input=sample_input)
+        self.schedule = by_name(schedule, stages, self.chunks, self.virtual)
+        self.partition = partition(module, stages * self.virtual, balance=balance, sample_input=sample_input)
         staged = cut_into_stages(module, self.partition, sample_input)
-        _check_no_ties_across_stages(staged)
+        _check_no_ties_across_devices(staged, self.schedule)
         self.devices = [torch_xla.device(index) for index in range(stages)]
         warm_autograd(self.devices[0])
-        for program, device in zip(staged.stages, self.devices):
+        for stage, program in enumerate(staged.stages):
+            device = self.devices[self.schedule.rank_of(stage)]
             rebind(module, move_keeping_ties([program.module], device))  # the model holds what trains
             place_constants_on(program.module, device)
         self.runner = DevicesPipeline(staged, self.devices, self.schedule, self.checkpoint, module,
                                       deferred_batch_norm=deferred_batch_norm)
 
     def forward(self, *inputs: torch.Tensor, microbatch_dim: int | None = None, **keyword_inputs: torch.Tensor):
+        inputs, microbatch_dim = self._prepared(inputs, keyword_inputs, microbatch_dim)
+        return self.runner(*inputs, microbatch_dim=microbatch_dim)
+
+    def step(self, inputs: Any, target: Any, *, microbatch_dim: int | None = None) -> torch.Tensor:
+        """One training step with the loss inside the pipeline: runs the whole schedule
+        (forwards, ``loss_fn`` of each microbatch on the last stage, backwards) and
+        adds to ``.grad`` the gradients of ``loss_fn(module(inputs), target)``.
+
+        Args:
+            inputs: what ``pipe(...)`` takes: a tensor, a tuple of tensors, or a dict
+                of keyword inputs.
+            target: what ``loss_fn`` takes beside the output, batch-first (a tensor
+                or a structure of them), split into microbatches as the inputs are.
+            microbatch_dim: as for ``pipe(x, microbatch_dim=d)``, for inputs and target.
+
+        Returns:
+            The loss of the whole batch (detached), on the last stage's device.
+        """
+        if self.loss_fn is None:
+            raise ValueError("loss_fn: pipe.step computes the loss inside the pipeline; build the Pipe with "
+                             "loss_fn=... (e.g. torch.nn.CrossEntropyLoss()), or call pipe(x) and compute it yourself")
+        if isinstance(inputs, Mapping):
+            inputs, keyword_inputs = (), dict(inputs)
+        else:
+            inputs, keyword_inputs = (tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)), {}
+        inputs, microbatch_dim = self._prepared(inputs, keyword_inputs, microbatch_dim)
+        _check_target(target, batch_size(inputs, self.chunks, microbatch_dim), self.chunks, microbatch_dim)
+        if self.executor == "devices":
+            return self.runner.step(inputs, target, self.loss_fn, microbatch_dim)
+        output = self.runner(*inputs, microbatch_dim=microbatch_dim)
+        loss = self.loss_fn(output, tree_map(lambda t: t.to(self.devices[0]), target))
+        if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+            raise ValueError("loss_fn: must return a scalar tensor")
+        loss.backward()
+        return loss.detach()
+
+    def _prepared(self, inputs: tuple, keyword_inputs: dict[str, Any],
+                  microbatch_dim: int | None) -> tuple[tuple, int | None]:
+        """The model's inputs in order, checked, and ``microbatch_dim`` made non-negative."""
         if len(inputs) == 1 and isinstance(inputs[0], (tuple, list)) and len(self.runner.input_names) > 1:
             inputs = tuple(inputs[0])  # pipe((x, y)) for forward(x, y); forward(pair) gets the tuple
         inputs = _in_order(inputs, keyword_inputs, self.runner.input_names)
@@ -175,7 +234,7 @@ class Pipe(nn.Module):
         check_floating_inputs(inputs, self._weight_dtype())
         if microbatch_dim is not None:
             microbatch_dim %= tree_flatten(inputs)[0][0].dim()
-        return self.runner(*inputs, microbatch_dim=microbatch_dim)
+        return inputs, microbatch_dim
 
     def _weight_dtype(self) -> torch.dtype | None:
         return next((p.dtype for p in self.parameters() if p.is_floating_point()), None)
@@ -230,16 +289,19 @@ def _in_order(inputs: tuple, keyword_inputs: dict[str, Any], names: tuple[str, .
 
 
 def _choose_executor(executor: str, module: nn.Module, mesh: xs.Mesh | None, stages: int | None,
-                     balance: Sequence[int] | None, sample_input: Any) -> str:
+                     balance: Sequence[int] | None, sample_input: Any, schedule: str, virtual: int) -> str:
     """``executor``, with ``"auto"`` resolved: spmd for a mesh, an SPMD process or a
     model with a stackable run of at least one identical block per stage (and a
-    stage count that divides the devices); devices otherwise. Touches no device."""
+    stage count that divides the devices), when the schedule is one spmd runs;
+    devices otherwise. Touches no device."""
     if executor not in EXECUTORS:
         raise ValueError(f"executor: {executor!r} is not an executor; use one of {', '.join(EXECUTORS)}")
     if executor != "auto":
         return executor
     if mesh is not None or xr.is_spmd():
         return "spmd"
+    if schedule != "gpipe" or virtual != 1:
+        return "devices"
     requested = _requested_stages(stages, balance)
     devices = xr.global_runtime_device_count()
     stages = devices if requested is None else check_positive_int(requested, "stages")
@@ -252,15 +314,20 @@ def _choose_executor(executor: str, module: nn.Module, mesh: xs.Mesh | None, sta
     return "spmd" if len(stacked.blocks) >= stages else "devices"
 
 
-def _requested_stages(stages: int | None, balance: Sequence[int] | None) -> int | None:
-    """The stage count that ``stages`` or ``balance`` asks for, if either does."""
-    if balance is not None and stages is not None and len(balance) != stages:
-        raise ValueError(f"balance: has {len(balance)} stages but stages={stages}; make them agree")
-    return stages if stages is not None else (len(balance) if balance is not None else None)
+def _requested_stages(stages: int | None, balance: Sequence[int] | None, virtual: int = 1) -> int | None:
+    """The stage count (devices) that ``stages`` or ``balance`` asks for, if either
+    does; ``balance`` lists ``virtual`` model stages per device."""
+    if balance is not None and len(balance) % virtual:
+        raise ValueError(f"balance: has {len(balance)} entries, not a multiple of virtual={virtual} (one per "
+                         "model stage, virtual of them per device)")
+    if balance is not None and stages is not None and len(balance) != stages * virtual:
+        raise ValueError(f"balance: has {len(balance)} model stages but stages={stages} x virtual={virtual} "
+                         f"needs {stages * virtual}; make them agree")
+    return stages if stages is not None else (len(balance) // virtual if balance is not None else None)
 
 
-def _stage_count(stages: int | None, balance: Sequence[int] | None, devices: int) -> int:
-    requested = _requested_stages(stages, balance)
+def _stage_count(stages: int | None, balance: Sequence[int] | None, devices: int, virtual: int = 1) -> int:
+    requested = _requested_stages(stages, balance, virtual)
     stages = check_positive_int(devices if requested is None else requested, "stages")
     if stages > devices:
         raise ValueError(f"stages: {stages} stages need {stages} XLA devices, but there are {devices}; "
@@ -268,17 +335,28 @@ def _stage_count(stages: int | None, balance: Sequence[int] | None, devices: int
     return stages
 
 
-def _check_no_ties_across_stages(staged: StagedModel) -> None:
+def _check_no_ties_across_devices(staged: StagedModel, schedule: Schedule) -> None:
     """The devices executor keeps one copy of each weight, on its stage's device."""
-    first_use: dict[int, tuple[int, str]] = {}  # parameter id -> (stage, name there)
+    first_use: dict[int, tuple[int, str]] = {}  # parameter id -> (model stage, name there)
     for stage, program in enumerate(staged.stages):
         for name, parameter in program.module.named_parameters():
             owner, owner_name = first_use.setdefault(id(parameter), (stage, name))
-            if owner != stage:
+            if schedule.rank_of(owner) != schedule.rank_of(stage):
                 raise ValueError(
                     f"module: parameter {name!r} is used in stage {stage} and also in stage {owner} "
                     f"(as {owner_name!r}); the devices executor keeps each weight on one device. "
                     "Pass a balance that puts its users in one stage, or use executor='spmd'")
+
+
+def _check_target(target: Any, rows: int, chunks: int, microbatch_dim: int | None) -> None:
+    """``pipe.step``'s target is split as the inputs are: it needs their batch size."""
+    try:
+        target_rows = batch_size((target,), chunks, microbatch_dim)
+    except (TypeError, ValueError) as error:
+        raise type(error)(f"target: {error}") from error
+    if target_rows != rows:
+        raise ValueError(f"target: has {target_rows} rows and the inputs {rows}; pass one target row per "
+                         "input row (pipe.step splits both into the same microbatches)")
 
 
 def _spmd_stage_count(mesh: xs.Mesh | None, stages: int | None, balance: Sequence[int] | None) -> int:

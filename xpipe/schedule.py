@@ -281,8 +281,9 @@ def zero_bubble_h1(stages: int, chunks: int, virtual: int = 1) -> Schedule:
     """ZB-H1 (zero bubble, Qi et al. 2023): each backward split into ``I`` (the
     input's gradient, which the previous stage waits for) and ``W`` (the weights'
     gradient, which nobody waits for). Each rank, every clock, runs its next ``I``
-    if it is ready, else its next forward while it holds fewer than
-    ``stages - rank`` microbatches (1F1B's memory), else a pending ``W``: the
+    if it is ready, else its next forward while fewer than ``stages - rank``
+    microbatches have had their forward and not yet their ``W`` (1F1B's memory:
+    a microbatch's activations live until its ``W``), else a pending ``W``: the
     ``W``s fill what would be bubbles."""
     stages, chunks = _sizes(stages, chunks)
     _single("zb-h1", virtual)
@@ -304,7 +305,7 @@ def _zero_bubble_choice(shell: Schedule, rank: int, done: set[Action]) -> Action
     candidates = (Action(rank, INPUT_GRAD, inputs), Action(rank, FORWARD, forwards))
     ready = [a for a in candidates if a.microbatch < shell.chunks
              and all(any(option in done for option in needed) for needed in shell._dependencies(a))]
-    if ready and (ready[0].kind == INPUT_GRAD or forwards - inputs < shell.stages - rank):
+    if ready and (ready[0].kind == INPUT_GRAD or forwards - weights < shell.stages - rank):
         return ready[0]
     return Action(rank, WEIGHT_GRAD, weights) if weights < inputs else None
 

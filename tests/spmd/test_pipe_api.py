@@ -8,7 +8,7 @@ import torch_xla
 
 import xpipe
 from xpipe.models import small_cnn
-from equivalence import train_steps
+from equivalence import assert_step_matches, train_steps
 from pipe_checks import ATOL, RTOL, batch_for, loss_of, tiny_lm, tiny_mlp
 
 
@@ -95,3 +95,12 @@ def test_make_mesh_says_which_stage_counts_fit():
     with pytest.raises(ValueError, match=r"use stages in \[1, 2, 4, 8\]"):
         xpipe.make_mesh(3)
     assert xpipe.make_mesh(2).mesh_shape == (4, 2)
+
+
+@pytest.mark.parametrize("checkpoint", ["always", "except_last", "never"])
+def test_step_with_the_loss_inside_equals_the_plain_model(mesh, checkpoint):
+    """``pipe.step`` under spmd runs GPipe: the loss and every gradient as the plain
+    model's; 7 blocks on 4 stages (the body padded)."""
+    model = tiny_lm(blocks=7)
+    batch, targets = batch_for(model, 8)
+    assert_step_matches(model, batch, targets, loss_of, chunks=4, mesh=mesh, checkpoint=checkpoint)

@@ -1,8 +1,19 @@
 """The devices executor: one XLA device per stage, any partition (torchgpipe parity).
 
-Each stage's program lives on its own XLA device (non-SPMD). The whole pipeline
-is one autograd function: its forward runs the schedule's forward cells and its
-backward the backward cells, clock by clock. Each cell ends by launching its
+Each stage's program lives on its own XLA device (non-SPMD); with ``virtual``
+model stages per device, model stage ``s`` lives on device ``s % devices``. The
+executor interprets the schedule's table, clock by clock:
+
+- ``pipe.step(inputs, target)`` runs every cell as the table orders it: forwards
+  (the loss of each microbatch computed on the last stage), full backwards, or a
+  backward split into the input's gradient (``I``, which the previous stage waits
+  for) and the weights' (``W``, which fills a bubble). Any schedule runs this way.
+- ``pipe(x)`` is one autograd function: its forward runs the table's forward cells
+  and its backward the backward cells, so autograd can continue from the output.
+  Under gradients this needs a schedule whose forwards all come before its
+  backwards (GPipe, circular); without gradients any schedule's forwards run.
+
+Each cell ends by launching its
 stage's lazy graph on that device alone, without waiting: every (stage,
 direction) is one small XLA program, compiled once and reused for every
 microbatch and step, and the devices of one clock compute at the same time while
@@ -10,7 +21,7 @@ the host traces the next cell. Values cross devices with ``.to(device)``, which
 waits for the value to be ready; a skip connection goes straight from the stage
 that makes it to each stage that reads it.
 
-Checkpointing follows GPipe: a recomputed microbatch keeps only its stage inputs
+Checkpointing follows :func:`xpipe.checkpoint.kept_cells`: a recomputed cell keeps only its stage inputs
 (and the device's random-number state, so dropout repeats its mask) and runs the
 stage again in the backward pass; a kept one has the activations autograd saves
 materialised on the device together with its outputs.
@@ -23,7 +34,7 @@ import functools
 import operator
 import time
 from collections import defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -34,8 +45,9 @@ from torch.utils._pytree import TreeSpec, tree_flatten, tree_map, tree_unflatten
 
 from xpipe._batch import check_outputs
 from xpipe._batchnorm import RunningStatistics
+from xpipe.checkpoint import kept_cells
 from xpipe.devices.stages import StagedModel, StageProgram
-from xpipe.schedule import BACKWARD, FORWARD, Action, Schedule, by_name
+from xpipe.schedule import BACKWARD, FORWARD, WEIGHT_GRAD, Action, Schedule, by_name
 
 
 class Event(NamedTuple):
@@ -53,16 +65,34 @@ class Event(NamedTuple):
     ready: float
 
 
+class Plan(NamedTuple):
+    """How a step of some number of microbatches runs.
+
+    Attributes:
+        schedule: the schedule for that many microbatches.
+        forward: the table's forward cells, by clock.
+        backward: its backward cells by clock, if every forward comes before every
+            backward and each backward is whole (``B``); otherwise None, and only
+            :meth:`DevicesPipeline.step` can train with the schedule.
+        kept: the (model stage, microbatch) cells that keep their activations.
+    """
+
+    schedule: Schedule
+    forward: list[list[Action]]
+    backward: list[list[Action]] | None
+    kept: frozenset[tuple[int, int]]
+
+
 class DevicesPipeline(nn.Module):
-    """Runs a model cut into stages on one XLA device per stage, as a schedule orders.
+    """Runs a model cut into stages on XLA devices, as a schedule's table orders.
 
     Args:
-        staged: the model cut into stage programs; each stage's parameters and
-            buffers must already be on its device.
-        devices: one XLA device per stage.
-        schedule: the step's schedule; all its forward cells must come before its
-            backward cells. A last batch with fewer rows than ``schedule.chunks``
-            runs the same schedule for the microbatches it has.
+        staged: the model cut into stage programs, ``schedule.model_stages`` of
+            them; each one's parameters and buffers must already be on its device.
+        devices: one XLA device per rank of the schedule; model stage ``s`` runs
+            on ``devices[schedule.rank_of(s)]``.
+        schedule: the step's schedule. A last batch with fewer rows than
+            ``schedule.chunks`` runs the same schedule for the microbatches it has.
         checkpoint: ``"always"``, ``"except_last"`` or ``"never"``.
         module: the wrapped module, whose state the stages train in place.
         deferred_batch_norm: update BatchNorm running statistics once per step
@@ -72,20 +102,31 @@ class DevicesPipeline(nn.Module):
         timeline: an :class:`Event` for every cell of the last step, forward and
             backward, filled in as the devices finish; after
             ``torch_xla.core.xla_model.wait_device_ops()`` it is complete.
+        peak_held_bytes: per device, the most bytes the last step held at once for
+            backward passes still to run: the activations autograd saved in kept
+            cells, and the stage inputs of every cell, counted from a cell's
+            forward until the backward that frees them (its ``B``, or its ``W``).
     """
 
     def __init__(self, staged: StagedModel, devices: list[torch.device], schedule: Schedule,
                  checkpoint: str, module: nn.Module, *, deferred_batch_norm: bool = False) -> None:
         super().__init__()
+        if len(staged.stages) != schedule.model_stages or len(devices) != schedule.stages:
+            raise ValueError(f"staged: {len(staged.stages)} stage programs on {len(devices)} devices do not fit "
+                             f"{schedule.name!r} with {schedule.stages} ranks x {schedule.virtual} model stages")
         self.staged = staged
         self.stage_modules = nn.ModuleList(program.module for program in staged.stages)
         self.devices = devices
+        self.stage_devices = [devices[schedule.rank_of(stage)] for stage in range(schedule.model_stages)]
+        self.last_stage = schedule.model_stages - 1
         self.schedule = schedule
         self.chunks = schedule.chunks
-        self.clocks = {schedule.chunks: _clocks(schedule)}  # microbatches -> (forward, backward) cells
         self.checkpoint = checkpoint
+        self.plans: dict[int, Plan] = {}  # microbatches -> plan
         self.batch_norm = RunningStatistics(list(self.stage_modules), deferred=deferred_batch_norm)
         self.timeline: list[Event] = []
+        self.peak_held_bytes = [0] * len(devices)
+        self._held_bytes = [0] * len(devices)
         self._flush_pending = False
         self._module = [module]  # out of the module tree: its parameters are the stages' own
 
@@ -104,7 +145,7 @@ class DevicesPipeline(nn.Module):
         return {name: p.grad for name, p in self._module[0].named_parameters(remove_duplicate=False)}
 
     def stage_parameters(self, stage: int) -> list[nn.Parameter]:
-        """The trainable parameters of ``stage``."""
+        """The trainable parameters of model stage ``stage``."""
         return [p for p in self.stage_modules[stage].parameters() if p.requires_grad]
 
     def flush(self) -> None:
@@ -117,7 +158,58 @@ class DevicesPipeline(nn.Module):
         for device in self.devices:
             torch_xla._XLAC._xla_step_marker(str(device), [], wait=False)
 
+    def plan_for(self, chunks: int) -> Plan:
+        """The plan of a step of ``chunks`` microbatches."""
+        if chunks not in self.plans:
+            schedule = self.schedule if chunks == self.chunks else _smaller(self.schedule, chunks)
+            self.plans[chunks] = Plan(schedule, _cells_by_clock(schedule, (FORWARD,)), _backward_phase(schedule),
+                                      kept_cells(schedule, self.checkpoint))
+        return self.plans[chunks]
+
     def forward(self, *inputs: torch.Tensor, microbatch_dim: int | None = None) -> Any:
+        self._begin(inputs)
+        split = [_split(x, self.chunks, microbatch_dim) for x in inputs]
+        plan = self.plan_for(len(split[0]))
+        differentiating = torch.is_grad_enabled()
+        if differentiating and plan.backward is None:
+            raise RuntimeError(
+                f"pipe: schedule {plan.schedule.name!r} interleaves forwards and backwards, so autograd cannot run "
+                "its backward from pipe(x)'s output; train with Pipe(..., loss_fn=...) and pipe.step(inputs, "
+                "target), or call pipe(x) under torch.no_grad() for inference")
+        wanted = [(key, x) for key, x in _keyed_leaves(self.staged.inputs, inputs)
+                  if differentiating and isinstance(x, torch.Tensor) and x.requires_grad]
+        step = _Step(self, plan, split, microbatch_dim, differentiating=differentiating,
+                     input_grads=[key for key, _ in wanted])
+        parameters = [p for stage in range(len(self.stage_modules)) for p in self.stage_parameters(stage)]
+        with _guard_failures_explained():
+            leaves = _PipelineFunction.apply(step, *[x for _, x in wanted], *parameters)
+        return self._folded(tree_unflatten(list(leaves), step.output_spec))
+
+    def step(self, inputs: tuple[Any, ...], target: Any, loss_fn: Callable[[Any, Any], torch.Tensor],
+             microbatch_dim: int | None = None) -> torch.Tensor:
+        """Run one training step as the schedule's table orders it: every forward, the
+        loss of each microbatch on the last stage, and every backward, leaving in
+        ``.grad`` the gradients of ``loss_fn(module(inputs), target)``; returns the loss."""
+        self._begin(inputs)
+        split = [_split(x, self.chunks, microbatch_dim) for x in inputs]
+        plan = self.plan_for(len(split[0]))
+        targets = _split(target, [_rows(piece) for piece in split[0]] if microbatch_dim is None else self.chunks,
+                         microbatch_dim)
+        if len(targets) != len(split[0]):
+            raise ValueError(f"target: splits into {len(targets)} microbatches, the inputs into {len(split[0])}; "
+                             "give the target the inputs' batch size (and microbatch_dim)")
+        wanted = [(key, x) for key, x in _keyed_leaves(self.staged.inputs, inputs)
+                  if isinstance(x, torch.Tensor) and x.requires_grad]
+        step = _Step(self, plan, split, microbatch_dim, differentiating=True, input_grads=[key for key, _ in wanted])
+        step.loss = _Loss(loss_fn, [_moved(t, self.stage_devices[-1]) for t in targets], step)
+        with _guard_failures_explained():
+            self.run_cells(plan.schedule.table, step.cell)
+        self.batch_norm.commit()
+        step.accumulate_into_grads([x for _, x in wanted])
+        return step.loss.total()
+
+    def _begin(self, inputs: tuple[Any, ...]) -> None:
+        """Checks and bookkeeping shared by ``forward`` and ``step``."""
         names = self.staged.inputs
         if len(inputs) != len(names):
             raise TypeError(f"x: the model takes {len(names)} inputs ({', '.join(names)}), got {len(inputs)}")
@@ -133,42 +225,35 @@ class DevicesPipeline(nn.Module):
             xm.add_step_closure(self.flush)
             self._flush_pending = True
         self.timeline = []
-        split = [_split(x, self.chunks, microbatch_dim) for x in inputs]
-        differentiating = torch.is_grad_enabled()
-        wanted = [(key, x) for key, x in _keyed_leaves(names, inputs)
-                  if differentiating and isinstance(x, torch.Tensor) and x.requires_grad]
-        step = _Step(self, [dict(zip(names, values)) for values in zip(*split)], microbatch_dim,
-                     differentiating=differentiating, input_grads=[key for key, _ in wanted])
-        parameters = [p for stage in range(len(self.devices)) for p in self.stage_parameters(stage)]
-        try:
-            leaves = _PipelineFunction.apply(step, *[x for _, x in wanted], *parameters)
-        except AssertionError as error:
-            if "Guard failed" not in str(error):
-                raise
-            raise ValueError(
-                f"x: the model was captured by torch.export on sample_input, and this microbatch does not fit "
-                f"that graph ({error}); pass a sample_input shaped like your batches (only the batch dim may "
-                "differ)") from error
-        output = tree_unflatten(list(leaves), step.output_spec)
-        if self.staged.output_spec is not None:  # torch.export's flat outputs, folded as the model returns them
-            output = tree_unflatten(list(output), self.staged.output_spec)
+        self.peak_held_bytes = [0] * len(self.devices)
+        self._held_bytes = [0] * len(self.devices)
+
+    def hold(self, stage: int, size: int) -> None:
+        """Count ``size`` more bytes (fewer, if negative) held for ``stage``'s backward."""
+        rank = self.schedule.rank_of(stage)
+        self._held_bytes[rank] += size
+        self.peak_held_bytes[rank] = max(self.peak_held_bytes[rank], self._held_bytes[rank])
+
+    def _folded(self, output: Any) -> Any:
+        """The last stage's output as the model returns it (torch.export's flat outputs folded)."""
+        if self.staged.output_spec is not None:
+            return tree_unflatten(list(output), self.staged.output_spec)
         return output
 
-    def clocks_for(self, chunks: int) -> tuple[list[list[Action]], list[list[Action]]]:
-        """Forward and backward cells by clock, for a step of ``chunks`` microbatches."""
-        if chunks not in self.clocks:
-            self.clocks[chunks] = _clocks(by_name(self.schedule.name, len(self.devices), chunks))
-        return self.clocks[chunks]
-
-    def run_cells(self, clocks: list[list[Action]], cell: Callable[[Action], list[torch.Tensor]]) -> None:
+    def run_cells(self, clocks: Sequence[Sequence[Action | None]],
+                  cell: Callable[[Action], list[torch.Tensor]]) -> None:
         """Run ``cell`` for each action, clock by clock, and launch what it computed."""
         for actions in clocks:
             for action in actions:
+                if action is None:
+                    continue
                 tensors = cell(action)
                 launched = time.perf_counter()
                 _launch(tensors)
                 if tensors:
                     self._on_ready(tensors[0], action, launched)
+                else:  # nothing for the device to do (an I with no input that needs a gradient)
+                    self.timeline.append(Event(action.stage, action.kind, action.microbatch, launched, launched))
 
     def _on_ready(self, tensor: torch.Tensor, action: Action, launched: float) -> None:
         timeline = self.timeline  # this step's: the callback may come after the next step began
@@ -182,10 +267,12 @@ class DevicesPipeline(nn.Module):
 class _Step:
     """The state of one training step: values in flight, kept activations, gradients."""
 
-    def __init__(self, pipeline: DevicesPipeline, microbatches: list[dict[str, torch.Tensor]],
-                 microbatch_dim: int | None, *, differentiating: bool, input_grads: list[tuple[str, int]]) -> None:
+    def __init__(self, pipeline: DevicesPipeline, plan: Plan, split: list[list[Any]], microbatch_dim: int | None, *,
+                 differentiating: bool, input_grads: list[tuple[str, int]]) -> None:
         self.pipeline = pipeline
+        self.plan = plan
         self.differentiating = differentiating  # False under torch.no_grad(): nothing to keep
+        microbatches = [dict(zip(pipeline.staged.inputs, values)) for values in zip(*split)]
         self.values = microbatches  # per microbatch: value name -> tensor, on the device that made it
         self.inputs = [dict(values) for values in microbatches]  # the model's inputs, per microbatch
         self.chunks = len(microbatches)
@@ -202,89 +289,142 @@ class _Step:
         # per microbatch: (value name, leaf index) -> gradients from the stages that read the value
         self.received: list[dict[tuple[str, int], list[torch.Tensor]]] = [defaultdict(list) for _ in microbatches]
         self.accumulated: list[list[torch.Tensor | None]] = [
-            [None] * len(pipeline.stage_parameters(stage)) for stage in range(len(pipeline.devices))]
+            [None] * len(pipeline.stage_parameters(stage)) for stage in range(len(pipeline.stage_modules))]
+        self.held: dict[tuple[int, int], int] = {}  # (stage, microbatch) -> bytes kept for its backward
+        # (stage, microbatch) -> (outputs, their gradients): what a W cell differentiates
+        self.weight_work: dict[tuple[int, int], tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+        self.loss: _Loss | None = None  # set for pipe.step: the loss is computed on the last stage
 
-    def keeps(self, microbatch: int) -> bool:
-        """Whether ``microbatch`` keeps its activations instead of recomputing them."""
-        mode = self.pipeline.checkpoint
-        if not self.differentiating:
-            return False
-        return mode == "never" or (mode == "except_last" and microbatch == self.chunks - 1)
+    def keeps(self, stage: int, microbatch: int) -> bool:
+        """Whether a cell keeps its activations instead of recomputing them."""
+        return self.differentiating and (stage, microbatch) in self.plan.kept
+
+    def cell(self, action: Action) -> list[torch.Tensor]:
+        """Run one cell of the table; returns the XLA tensors to launch."""
+        if action.kind == FORWARD:
+            return self.forward_cell(action)
+        if action.kind in (BACKWARD, WEIGHT_GRAD):  # what the cell's forward held is let go
+            self.pipeline.hold(action.stage, -self.held.pop((action.stage, action.microbatch)))
+        if action.kind == WEIGHT_GRAD:
+            return self.weight_cell(action)
+        return self.backward_cell(action, weights=action.kind == BACKWARD)
 
     def forward_cell(self, action: Action) -> list[torch.Tensor]:
         stage, microbatch = action.stage, action.microbatch
         program = self.pipeline.staged.stages[stage]
-        device = self.pipeline.devices[stage]
+        device = self.pipeline.stage_devices[stage]
         args = [_moved(self.values[microbatch][name], device) for name in program.inputs]
         saved: list[torch.Tensor] = []
         statistics = self.pipeline.batch_norm.updating()
-        if self.keeps(microbatch):
+        if self.keeps(stage, microbatch):
             args = self._as_leaves(program, args)
             with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_collect_into(saved), _itself), \
                     statistics:
                 out = program.module(*args)
-            self.kept[stage, microbatch] = (args, _Kept(out))
+                result = self._result(stage, microbatch, out)
+            self.kept[stage, microbatch] = (args, _Kept(result))
         else:
             if self.differentiating:
                 self.kept[stage, microbatch] = (args, xm.get_rng_state(device))
             with torch.no_grad(), statistics:
                 out = program.module(*args)
-        if stage == len(self.pipeline.devices) - 1:
-            check_outputs(out, self._rows(microbatch))
-            leaves, self.output_spec = tree_flatten(out)
-            self.outputs[microbatch] = leaves
-        else:
+                result = self._result(stage, microbatch, out)
+        if self.differentiating:
+            self.held[stage, microbatch] = _bytes(args) + _bytes(saved)
+            self.pipeline.hold(stage, self.held[stage, microbatch])
+        if stage != self.pipeline.last_stage:
             leaves = list(out)
             self.values[microbatch].update(zip(program.outputs, leaves))
+        elif self.loss is not None:
+            leaves = [result]
+            self.loss.values[microbatch] = result.detach()
+        else:
+            leaves, self.output_spec = tree_flatten(out)
+            self.outputs[microbatch] = leaves
         return _xla_tensors(leaves) + _xla_tensors(saved)
 
-    def backward_cell(self, action: Action) -> list[torch.Tensor]:
+    def _result(self, stage: int, microbatch: int, out: Any) -> Any:
+        """What the backward differentiates: a stage's outputs, or on the last stage under
+        ``pipe.step``, the microbatch's share of the loss."""
+        if stage != self.pipeline.last_stage:
+            return out
+        check_outputs(out, self._rows(microbatch))
+        if self.loss is None:
+            return out
+        return self.loss.share(microbatch, self.pipeline._folded(out))
+
+    def backward_cell(self, action: Action, *, weights: bool) -> list[torch.Tensor]:
+        """A full backward (``B``), or with ``weights=False`` the input's gradient only
+        (``I``), whose graph is kept for the ``W`` cell."""
         stage, microbatch = action.stage, action.microbatch
         program = self.pipeline.staged.stages[stage]
         args, kept = self.kept.pop((stage, microbatch))
         if isinstance(kept, _Kept):
-            return self._gradients(stage, microbatch, args, kept.outputs)
+            return self._gradients(stage, microbatch, args, kept.outputs, weights=weights)
         args = self._as_leaves(program, args)
         # Buffers come back only after the gradients: a backward may read a buffer that the
         # recomputation wrote (BatchNorm's counter), and would see it changed in place.
         with _buffers_restored(program.module):
-            with torch.enable_grad(), _rng_replayed(self.pipeline.devices[stage], kept), \
+            with torch.enable_grad(), _rng_replayed(self.pipeline.stage_devices[stage], kept), \
                     self.pipeline.batch_norm.recomputing():
-                out = program.module(*args)
-            gradients = self._gradients(stage, microbatch, args, out)
+                out = self._result(stage, microbatch, program.module(*args))
+            gradients = self._gradients(stage, microbatch, args, out, weights=weights)
         # Launched with the gradients: restored buffers left pending while the device runs
         # the gradients' graph read device data that run gives away (seen: the next
         # recomputed BatchNorm of the stage gave wrong outputs).
         return gradients + _xla_tensors(list(program.module.buffers()))
 
-    def _gradients(self, stage: int, microbatch: int, args: list[Any], out: Any) -> list[torch.Tensor]:
-        """Gradients of a stage's inputs (sent on to their makers) and weights (summed)."""
+    def weight_cell(self, action: Action) -> list[torch.Tensor]:
+        """``W``: the weights' gradients from the graph the ``I`` cell kept."""
+        outputs, grads = self.weight_work.pop((action.stage, action.microbatch))
+        parameters = self.pipeline.stage_parameters(action.stage)
+        if not outputs or not parameters:
+            return []
+        found = torch.autograd.grad(outputs, parameters, grads, allow_unused=True)
+        return self._accumulate(action.stage, found)
+
+    def _gradients(self, stage: int, microbatch: int, args: list[Any], out: Any, *,
+                   weights: bool) -> list[torch.Tensor]:
+        """Gradients of a stage's inputs (sent on to their makers) and, with ``weights``,
+        of its weights (summed over microbatches); without, the graph waits for ``W``."""
         program = self.pipeline.staged.stages[stage]
-        device = self.pipeline.devices[stage]
-        if stage == len(self.pipeline.devices) - 1:
-            leaves, grads = tree_flatten(out)[0], self.output_grads[microbatch]
-        else:
+        device = self.pipeline.stage_devices[stage]
+        if stage != self.pipeline.last_stage:
             keyed = _keyed_leaves(program.outputs, out)
             leaves = [leaf for _, leaf in keyed]
             grads = [self._received_grad(microbatch, key, device) for key, _ in keyed]
+        elif self.loss is not None:
+            leaves, grads = [out], [torch.ones_like(out)]
+        else:
+            leaves, grads = tree_flatten(out)[0], self.output_grads[microbatch]
         pairs = [(o, g) for o, g in zip(leaves, grads)
                  if g is not None and isinstance(o, torch.Tensor) and o.requires_grad]
+        outputs, output_grads = [o for o, _ in pairs], [g for _, g in pairs]
+        if not weights:
+            self.weight_work[stage, microbatch] = (outputs, output_grads)
         if not pairs:
             return []
         wrt = [(key, a) for key, a in _keyed_leaves(program.inputs, args)
                if isinstance(a, torch.Tensor) and a.requires_grad]
-        parameters = self.pipeline.stage_parameters(stage)
-        found = torch.autograd.grad([o for o, _ in pairs], [a for _, a in wrt] + parameters,
-                                    [g for _, g in pairs], allow_unused=True)
+        parameters = self.pipeline.stage_parameters(stage) if weights else []
+        if not wrt and not parameters:
+            return []
+        found = torch.autograd.grad(outputs, [a for _, a in wrt] + parameters, output_grads,
+                                    retain_graph=not weights, allow_unused=True)
         input_grads = found[:len(wrt)]
         for (key, _), grad in zip(wrt, input_grads):
             if grad is not None:
                 self.received[microbatch][key].append(grad)
+        totals = self._accumulate(stage, found[len(wrt):]) if weights else []
+        return [g for g in input_grads if g is not None] + totals
+
+    def _accumulate(self, stage: int, grads: tuple[torch.Tensor | None, ...]) -> list[torch.Tensor]:
+        """Add one microbatch's weight gradients to the stage's sums; returns the sums."""
         totals = self.accumulated[stage]
-        for index, grad in enumerate(found[len(wrt):]):
+        for index, grad in enumerate(grads):
             if grad is not None:
                 totals[index] = grad if totals[index] is None else totals[index] + grad
-        return [g for g in input_grads if g is not None] + [t for t in totals if t is not None]
+        return [t for t in totals if t is not None]
 
     def _as_leaves(self, program: StageProgram, args: list[Any]) -> list[Any]:
         """``args`` as fresh autograd leaves where their gradients go somewhere (back to the
@@ -293,7 +433,7 @@ class _Step:
 
     def _rows(self, microbatch: int) -> int:
         """Rows of ``microbatch``, read from the model's first input."""
-        return tree_flatten(next(iter(self.inputs[microbatch].values())))[0][0].shape[0]
+        return _rows(next(iter(self.inputs[microbatch].values())))
 
     def _received_grad(self, microbatch: int, key: tuple[str, int], device: torch.device) -> torch.Tensor | None:
         """The gradient of a value's leaf, summed over the stages that read it."""
@@ -311,11 +451,21 @@ class _Step:
         split = [[None] * self.chunks if g is None else
                  [g / self.chunks] * self.chunks if g.dim() == 0 else  # a scalar output is the microbatches' mean
                  _split(g, rows, self.microbatch_dim) for g in grads]
-        last = self.pipeline.devices[-1]
+        last = self.pipeline.stage_devices[-1]
         self.output_grads = [[_moved(g, last) for g in per_leaf] for per_leaf in zip(*split)]
 
     def parameter_grads(self) -> list[torch.Tensor | None]:
         return [grad for totals in self.accumulated for grad in totals]
+
+    def accumulate_into_grads(self, model_inputs: list[torch.Tensor]) -> None:
+        """Add the step's gradients to ``.grad`` of the weights and of ``model_inputs``
+        (the model inputs that require grad), as ``loss.backward()`` would."""
+        parameters = [p for stage in range(len(self.accumulated)) for p in self.pipeline.stage_parameters(stage)]
+        grads = self.parameter_grads() + self.model_input_grads(tuple(model_inputs))
+        with torch.no_grad():
+            for tensor, grad in zip(parameters + model_inputs, grads):
+                if grad is not None:
+                    tensor.grad = grad if tensor.grad is None else tensor.grad + grad
 
     def model_input_grads(self, originals: tuple[torch.Tensor, ...]) -> list[torch.Tensor | None]:
         """The gradients of the model inputs that require grad, microbatches merged."""
@@ -346,8 +496,7 @@ class _PipelineFunction(torch.autograd.Function):
     def forward(ctx, step: _Step, *inputs_then_parameters: torch.Tensor) -> tuple[torch.Tensor, ...]:
         ctx.step = step
         ctx.inputs = inputs_then_parameters[:len(step.input_grads)]
-        forward, _ = step.pipeline.clocks_for(step.chunks)
-        step.pipeline.run_cells(forward, step.forward_cell)
+        step.pipeline.run_cells(step.plan.forward, step.forward_cell)
         step.pipeline.batch_norm.commit()
         return tuple(step.end_forward())
 
@@ -355,28 +504,90 @@ class _PipelineFunction(torch.autograd.Function):
     def backward(ctx, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         step: _Step = ctx.step
         step.set_output_grads(grads)
-        _, backward = step.pipeline.clocks_for(step.chunks)
-        step.pipeline.run_cells(backward, step.backward_cell)
+        step.pipeline.run_cells(step.plan.backward, step.cell)
         input_grads = step.model_input_grads(ctx.inputs)
         del ctx.step, ctx.inputs
         return (None, *input_grads, *step.parameter_grads())
 
 
-def _clocks(schedule: Schedule) -> tuple[list[list[Action]], list[list[Action]]]:
-    """The schedule's forward cells by clock, then its backward cells by clock."""
-    return _cells_by_clock(schedule, FORWARD), _cells_by_clock(schedule, BACKWARD)
+class _Loss:
+    """``pipe.step``'s loss, one microbatch at a time: each microbatch's loss is weighted
+    so that their sum is ``loss_fn`` of the whole batch (its share of the rows for a
+    mean-reducing ``loss_fn``, 1 for one whose ``reduction`` is ``"sum"``)."""
+
+    def __init__(self, fn: Callable[[Any, Any], torch.Tensor], targets: list[Any], step: _Step) -> None:
+        reduction = getattr(fn, "reduction", "mean")
+        if reduction not in ("mean", "sum"):
+            raise ValueError(f"loss_fn: its reduction is {reduction!r}; pipe.step needs a loss that reduces to a "
+                             "scalar ('mean' or 'sum')")
+        rows = [step._rows(microbatch) for microbatch in range(step.chunks)]
+        self.fn = fn
+        self.targets = targets
+        self.weights = [1.0] * len(rows) if reduction == "sum" else [r / sum(rows) for r in rows]
+        self.values: list[torch.Tensor | None] = [None] * len(rows)  # each microbatch's share, detached
+
+    def share(self, microbatch: int, output: Any) -> torch.Tensor:
+        """``microbatch``'s share of the loss, from its output."""
+        loss = self.fn(output, self.targets[microbatch])
+        if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+            raise ValueError(f"loss_fn: must return a scalar tensor, got "
+                             f"{list(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__}")
+        return loss * self.weights[microbatch]
+
+    def total(self) -> torch.Tensor:
+        """The step's loss: the shares summed."""
+        return functools.reduce(operator.add, self.values)
 
 
-def _cells_by_clock(schedule: Schedule, kind: str) -> list[list[Action]]:
+def _smaller(schedule: Schedule, chunks: int) -> Schedule:
+    """``schedule`` for a last batch that splits into fewer microbatches."""
+    try:
+        return by_name(schedule.name, schedule.stages, chunks, schedule.virtual)
+    except ValueError as error:
+        raise ValueError(f"x: this batch splits into {chunks} microbatches, which {schedule.name!r} cannot run "
+                         f"({error}); give batches that split into chunks={schedule.chunks}") from error
+
+
+def _backward_phase(schedule: Schedule) -> list[list[Action]] | None:
+    """The backward cells by clock, if all forwards come first and every backward is
+    whole: then autograd can run them as the backward of ``pipe(x)``. None otherwise."""
     kinds = {cell.kind for row in schedule.table for cell in row if cell is not None}
-    forward_ends = max((t for t, row in enumerate(schedule.table) if any(c and c.kind == FORWARD for c in row)))
-    backward_starts = min((t for t, row in enumerate(schedule.table) if any(c and c.kind != FORWARD for c in row)))
-    if forward_ends >= backward_starts or kinds != {FORWARD, BACKWARD} or schedule.virtual != 1:
-        raise ValueError(f"schedule: {schedule.name!r} interleaves forward and backward cells (or splits the "
-                         "backward, or puts several model stages on a device); the devices executor runs all "
-                         "forward cells before the backward pass, one stage per device (use 'gpipe')")
-    rows = [[cell for cell in row if cell is not None and cell.kind == kind] for row in schedule.table]
+    forward_ends = max(t for t, row in enumerate(schedule.table) if any(c and c.kind == FORWARD for c in row))
+    backward_starts = min(t for t, row in enumerate(schedule.table) if any(c and c.kind != FORWARD for c in row))
+    if forward_ends >= backward_starts or kinds != {FORWARD, BACKWARD}:
+        return None
+    return _cells_by_clock(schedule, (BACKWARD,))
+
+
+def _cells_by_clock(schedule: Schedule, kinds: tuple[str, ...]) -> list[list[Action]]:
+    """The table's cells of ``kinds``, by clock, idle cells and empty clocks left out."""
+    rows = [[cell for cell in row if cell is not None and cell.kind in kinds] for row in schedule.table]
     return [row for row in rows if row]
+
+
+@contextlib.contextmanager
+def _guard_failures_explained() -> Iterator[None]:
+    """A batch that does not fit the graph torch.export captured fails a shape guard
+    deep inside a stage; say what to do instead."""
+    try:
+        yield
+    except AssertionError as error:
+        if "Guard failed" not in str(error):
+            raise
+        raise ValueError(
+            f"x: the model was captured by torch.export on sample_input, and this microbatch does not fit "
+            f"that graph ({error}); pass a sample_input shaped like your batches (only the batch dim may "
+            "differ)") from error
+
+
+def _bytes(values: list[Any]) -> int:
+    """Bytes of the tensors among ``values`` and inside their structures."""
+    return sum(v.numel() * v.element_size() for v in tree_flatten(values)[0] if isinstance(v, torch.Tensor))
+
+
+def _rows(value: Any) -> int:
+    """Rows (dim 0) of the first tensor in ``value``."""
+    return tree_flatten(value)[0][0].shape[0]
 
 
 def _keyed_leaves(names: tuple[str, ...], values: Any) -> list[tuple[tuple[str, int], Any]]:

@@ -26,8 +26,8 @@ from torch_xla.experimental.scan import scan
 
 from xpipe._batch import check_outputs
 from xpipe._batchnorm import RunningStatistics
-from xpipe.checkpoint import recompute
-from xpipe.schedule import gpipe
+from xpipe.checkpoint import kept_cells, recompute
+from xpipe.schedule import Schedule, gpipe
 from xpipe.spmd.conveyor import Layout, column_tables, from_slots, make_layout, make_tick, to_slots
 from xpipe.spmd.dropout import cell_keys, hashed_dropout
 from xpipe.spmd.lowering import ShardableOps
@@ -139,8 +139,9 @@ class SpmdPipeline(nn.Module):
                         "wrapping the model (or build a new Pipe)")
 
     def _run_clocks(self, slots: torch.Tensor, layout: Layout, features: tuple[int, ...]) -> torch.Tensor:
-        inputs, outputs = (torch.tensor(t, device=slots.device, dtype=slots.dtype) for t in column_tables(
-            gpipe(self.stages, layout.padded_chunks), layout))
+        schedule = gpipe(self.stages, layout.padded_chunks)
+        inputs, outputs = (torch.tensor(t, device=slots.device, dtype=slots.dtype)
+                           for t in column_tables(schedule, layout))
         clocks = torch.arange(len(inputs), dtype=torch.int32, device=slots.device)
         keys = cell_keys(self._step_seed(slots.device), clocks, self.stages, self.data)
         state = self._shard_batch(slots.new_zeros(slots.shape[0], *slots.shape[2:]))
@@ -148,8 +149,7 @@ class SpmdPipeline(nn.Module):
         valid = self._shard_batch(self._valid_mask(slots))
         weights = tuple(self._shard_batch(self._per_replica(w)) for w in self.body.effective_weights())
         carry = (state, slots, finished, valid, weights)
-        # GPipe's "except_last": the clocks from the last microbatch's entry on keep their activations.
-        plain_from = {"always": len(inputs), "never": 0, "except_last": layout.padded_chunks - 1}[self.checkpoint]
+        plain_from = _first_kept_clock(schedule, self.checkpoint)
         for start, end, recomputed in ((0, plain_from, True), (plain_from, len(inputs), False)):
             if end > start:
                 columns = (inputs[start:end], outputs[start:end], keys[start:end])
@@ -322,3 +322,13 @@ def spread(blocks: int, stages: int) -> tuple[int, ...]:
 
 def _as_tuple(value) -> tuple:
     return value if isinstance(value, tuple) else (value,)
+
+
+def _first_kept_clock(schedule: Schedule, checkpoint: str) -> int:
+    """The forward clock from which every cell keeps its activations (the clock loop
+    splits there: one scan that recomputes, one that keeps); the policy is
+    :func:`xpipe.checkpoint.kept_cells`, whose kept cells form a suffix of clocks."""
+    kept = kept_cells(schedule, checkpoint)
+    rows = schedule.forward_clocks()
+    return next((clock for clock, row in enumerate(rows)
+                 if any(a is not None and (a.stage, a.microbatch) in kept for a in row)), len(rows))

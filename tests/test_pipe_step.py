@@ -1,0 +1,174 @@
+"""``pipe.step(inputs, target)``: every schedule, run by the devices executor as its
+table says, equals the unpipelined model's ``loss_fn(model(inputs), target)``.
+
+Runs in the main, non-SPMD process on its 8 emulated devices. Compared: the loss,
+every gradient, and every buffer (BatchNorm's running statistics) after the step,
+fp32 on both sides, rtol 1e-4 (the pipeline sums microbatch gradients in another
+order than one batched backward).
+"""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+import torch_xla
+import torch_xla.core.xla_model as xm
+import torch_xla.debug.metrics as metrics
+from equivalence import ATOL, RTOL, assert_step_matches
+
+import xpipe
+from xpipe.models import mlp_stack, resnet_like, small_cnn, unet
+
+SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("zb-h1", 1), ("interleaved", 2), ("circular", 2)]
+
+
+def images(rows: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn(rows, 3, 16, 16, generator=torch.Generator().manual_seed(seed))
+
+
+def labels(rows: int) -> torch.Tensor:
+    return torch.randint(0, 10, (rows,), generator=torch.Generator().manual_seed(rows))
+
+
+@pytest.mark.parametrize("schedule, virtual", SCHEDULES)
+@pytest.mark.parametrize("checkpoint", ["always", "except_last", "never"])
+def test_every_schedule_trains_the_resnet_like_cnn(schedule, virtual, checkpoint):
+    pipe = assert_step_matches(resnet_like(), images(8), labels(8), torch.nn.CrossEntropyLoss(), chunks=4,
+                               stages=2, schedule=schedule, virtual=virtual, checkpoint=checkpoint,
+                               executor="devices")
+    assert pipe.schedule.name == schedule and len(pipe.devices) == 2
+    assert len(pipe.partition.balance) == 2 * virtual, "one model stage per device and virtual round"
+    ran = {(e.stage, e.kind, e.microbatch) for e in _timeline(pipe)}
+    in_table = {tuple(action) for row in pipe.schedule.table for action in row if action is not None}
+    assert ran == in_table, "every cell of the table ran, and nothing else"
+
+
+@pytest.mark.parametrize("schedule, virtual", SCHEDULES)
+def test_every_schedule_trains_the_unet_with_long_skips(schedule, virtual):
+    target = torch.randn(8, 2, 16, 16, generator=torch.Generator().manual_seed(1))
+    assert_step_matches(unet(), images(8), target, F.mse_loss, chunks=4, stages=2, schedule=schedule,
+                        virtual=virtual, executor="devices")
+
+
+def test_cells_run_in_the_tables_order():
+    """A cell starts only after the cells it depends on have finished on their devices."""
+    pipe = assert_step_matches(small_cnn(), torch.randn(8, 3, 32, 32), labels(8), torch.nn.CrossEntropyLoss(),
+                               chunks=4, stages=4, schedule="zb-h1", executor="devices")
+    events = {(e.stage, e.kind, e.microbatch): e for e in _timeline(pipe)}
+    for (stage, kind, microbatch), event in events.items():
+        needed = {"F": [(stage - 1, "F", microbatch)], "W": [(stage, "I", microbatch)],
+                  "I": [(stage, "F", microbatch), (stage + 1, "I", microbatch)]}[kind]
+        for before in needed:
+            if before in events:
+                assert events[before].ready <= event.launched, f"{before} must finish before {event}"
+
+
+def test_a_sum_reducing_loss_and_a_ragged_last_batch():
+    assert_step_matches(resnet_like(), images(14), labels(14), torch.nn.CrossEntropyLoss(reduction="sum"),
+                        chunks=4, stages=2, schedule="1f1b", executor="devices")
+
+
+def test_inputs_that_require_grad_get_their_gradient():
+    model = small_cnn()
+    batch = torch.randn(8, 3, 32, 32)
+    reference = copy.deepcopy(model)
+    expected_input = batch.clone().requires_grad_()
+    F.cross_entropy(reference(expected_input), labels(8)).backward()
+    pipe = xpipe.Pipe(model, chunks=4, stages=2, schedule="1f1b", loss_fn=F.cross_entropy)
+    given = batch.to(pipe.devices[0]).requires_grad_()
+    pipe.step(given, labels(8))
+    torch.testing.assert_close(given.grad.cpu(), expected_input.grad, rtol=RTOL, atol=ATOL)
+
+
+def test_five_steps_of_1f1b_compile_once_and_follow_the_plain_model():
+    model, steps = resnet_like(), 5
+    reference = copy.deepcopy(model)
+    pipe = xpipe.Pipe(model, chunks=4, stages=4, schedule="1f1b", loss_fn=F.cross_entropy)
+    assert pipe.executor == "devices", "auto picks the executor that runs 1F1B"
+    optimizer = torch.optim.SGD(pipe.parameters(), lr=0.05)
+    reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.05)
+    batches = [(images(8, seed), labels(8)) for seed in range(steps)]
+    losses, compiles = [], []
+    for batch, target in batches:
+        loss = pipe.step(batch, target)
+        optimizer.step()
+        optimizer.zero_grad()
+        torch_xla.sync()
+        losses.append(loss.item())
+        compiles.append(metrics.metric_data("CompileTime")[0])
+    expected = []
+    for batch, target in batches:
+        loss = F.cross_entropy(reference(batch), target)
+        loss.backward()
+        reference_optimizer.step()
+        reference_optimizer.zero_grad()
+        expected.append(loss.item())
+    torch.testing.assert_close(losses, expected, rtol=RTOL, atol=ATOL)
+    assert compiles[1] == compiles[-1], f"compiles after each step: {compiles}"
+
+
+def test_pipe_x_runs_what_autograd_can_and_refuses_the_rest():
+    batch, target = torch.randn(8, 3, 32, 32), labels(8)
+    model = small_cnn()
+    reference = copy.deepcopy(model)
+    circular = xpipe.Pipe(model, chunks=4, stages=2, schedule="circular", virtual=2)
+    assert circular.executor == "devices"
+    F.cross_entropy(circular(batch), target.to(circular.devices[-1])).backward()  # all forwards come first
+    F.cross_entropy(reference(batch), target).backward()
+    gradients = circular.named_gradients()
+    for name, parameter in reference.named_parameters():
+        torch.testing.assert_close(gradients[name].cpu(), parameter.grad, rtol=RTOL, atol=ATOL)
+
+    model = small_cnn()
+    reference = copy.deepcopy(model)
+    interleaving = xpipe.Pipe(model, chunks=4, stages=2, schedule="zb-h1")
+    with pytest.raises(RuntimeError, match=r"schedule 'zb-h1' interleaves forwards and backwards.*pipe.step"):
+        interleaving(batch)
+    with torch.no_grad():
+        torch.testing.assert_close(interleaving(batch).cpu(), reference(batch), rtol=RTOL, atol=ATOL)
+
+
+def test_bad_step_arguments_name_themselves():
+    batch, target = torch.randn(8, 3, 32, 32), labels(8)
+    with pytest.raises(ValueError, match="loss_fn: pipe.step computes the loss inside the pipeline"):
+        xpipe.Pipe(small_cnn(), chunks=4, stages=2).step(batch, target)
+    with pytest.raises(TypeError, match="loss_fn: expected a callable"):
+        xpipe.Pipe(small_cnn(), chunks=4, stages=2, loss_fn="cross_entropy")
+    with pytest.raises(ValueError, match="virtual: 'gpipe' runs one model stage per rank"):
+        xpipe.Pipe(small_cnn(), chunks=4, stages=2, virtual=2)
+    with pytest.raises(ValueError, match="virtual: the spmd executor runs one model stage"):
+        xpipe.Pipe(small_cnn(), chunks=4, stages=2, schedule="circular", virtual=2, executor="spmd")
+    with pytest.raises(ValueError, match="balance: has 3 entries, not a multiple of virtual=2"):
+        xpipe.Pipe(small_cnn(), chunks=4, balance=[1, 2, 3], schedule="circular", virtual=2)
+    pipe = xpipe.Pipe(small_cnn(), chunks=4, stages=2, schedule="1f1b", loss_fn=torch.nn.CrossEntropyLoss())
+    with pytest.raises(ValueError, match="target: has 6 rows and the inputs 8"):
+        pipe.step(batch, target[:6])
+    unreduced = xpipe.Pipe(small_cnn(), chunks=4, stages=2, schedule="1f1b",
+                           loss_fn=torch.nn.CrossEntropyLoss(reduction="none"))
+    with pytest.raises(ValueError, match="loss_fn: its reduction is 'none'"):
+        unreduced.step(batch, target)
+    not_a_loss = xpipe.Pipe(small_cnn(), chunks=4, stages=2, schedule="1f1b", loss_fn=lambda output, _: output)
+    with pytest.raises(ValueError, match=r"loss_fn: must return a scalar tensor, got \[2, 10\]"):
+        not_a_loss.step(batch, target)
+    assert "loss_fn" not in dict(pipe.named_modules()), "the loss is not part of the model"
+
+
+def _timeline(pipe: xpipe.Pipe) -> list:
+    """The last step's cells as they ran, once the devices are done."""
+    xm.wait_device_ops()
+    return pipe.runner.timeline
+
+
+def test_1f1b_holds_what_its_table_says_gpipe_holds_every_microbatch():
+    """Measured: bytes held for backward passes at the peak, per device, in proportion
+    to the table's peak in flight (S - rank microbatches for 1F1B, all 16 for GPipe)."""
+    held, in_flight = {}, {}
+    for schedule in ("gpipe", "1f1b"):
+        pipe = xpipe.Pipe(mlp_stack(blocks=8, width=64, inputs=16, outputs=4), chunks=16, stages=4,
+                          schedule=schedule, loss_fn=F.mse_loss, checkpoint="never", executor="devices")
+        pipe.step(torch.randn(64, 16), torch.randn(64, 4))
+        held[schedule], in_flight[schedule] = pipe.runner.peak_held_bytes, pipe.schedule.peak_in_flight
+    assert in_flight == {"gpipe": (16, 16, 16, 16), "1f1b": (4, 3, 2, 1)}
+    for rank in range(4):
+        assert held["1f1b"][rank] * 16 == held["gpipe"][rank] * in_flight["1f1b"][rank]

@@ -2,6 +2,7 @@
 
     plan = xpipe.partition(model, stages=4, sample_input=batch, cost="flops")
     pipe = xpipe.Pipe(model, chunks=8, mesh=xpipe.make_mesh(stages=4))
+    xpipe.save("run/ckpt", pipe, optimizer, step=step)
 """
 
 from xpipe._xla import start_runtime_before_first_backward
@@ -10,11 +11,11 @@ from xpipe.partition import Partition, partition
 
 start_runtime_before_first_backward()
 
-__all__ = ["Partition", "Pipe", "make_mesh", "module_graph", "partition"]
+__all__ = ["Partition", "Pipe", "load", "make_mesh", "module_graph", "partition", "save"]
 
 
 def __getattr__(name: str):
-    # Pipe and make_mesh import torch_xla, which the pure partitioner does not need.
+    # Pipe, make_mesh, save and load import torch_xla, which the pure partitioner does not need.
     if name == "Pipe":
         from xpipe.pipe import Pipe
 
@@ -23,4 +24,8 @@ def __getattr__(name: str):
         from xpipe.mesh import make_mesh
 
         return make_mesh
+    if name in ("save", "load"):
+        from xpipe import checkpoints
+
+        return getattr(checkpoints, name)
     raise AttributeError(f"module 'xpipe' has no attribute {name!r}")

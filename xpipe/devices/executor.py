@@ -144,6 +144,12 @@ class DevicesPipeline(nn.Module):
         """Gradients under the wrapped module's parameter names."""
         return {name: p.grad for name, p in self._module[0].named_parameters(remove_duplicate=False)}
 
+    def named_slices(self, parameter: torch.Tensor, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        """The wrapped module's parameter that ``parameter`` is, by name (its first, if
+        tied), with ``tensor`` (shaped like it: its gradient, an optimizer's state)."""
+        names = self._module[0].named_parameters()
+        return [(name, tensor) for name, p in names if p is parameter][:1]
+
     def stage_parameters(self, stage: int) -> list[nn.Parameter]:
         """The trainable parameters of model stage ``stage``."""
         return [p for p in self.stage_modules[stage].parameters() if p.requires_grad]

@@ -71,6 +71,7 @@ class SpmdPipeline(nn.Module):
         self._frozen = [[not p.requires_grad for _, p in named] for named in self._block_parameters]
         self.body = StackedWeights.from_blocks(stacked.blocks, self._slots(), device, mesh)
         self._sources = _state_sources(stacked, keys)
+        self._holders: dict[int, list[tuple[str, Callable]]] | None = None  # see named_slices
         self._ticks: dict[tuple, Callable] = {}
 
     def train(self, mode: bool = True) -> SpmdPipeline:
@@ -95,6 +96,26 @@ class SpmdPipeline(nn.Module):
             return self.body.block_tensor(*source)
         owner, _, name = key.rpartition(".")
         return getattr(source.get_submodule(owner), name)
+
+    def named_slices(self, parameter: torch.Tensor, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        """The wrapped module's trainable parameters that ``parameter`` (one of
+        ``self.parameters()``) holds, by name, each with its part of ``tensor``: a
+        tensor shaped like ``parameter`` (its gradient, an optimizer's state for it).
+        A stacked weight holds one parameter per unfrozen block; a tied one is named
+        by its first name, as ``named_parameters()`` does."""
+        if self._holders is None:
+            self._holders = {}
+            for key, source in self._sources.items():
+                if isinstance(source, tuple):
+                    index, block = source
+                    stage, slot = self.body.slots[block]
+                    if (stage, slot) not in self.body.frozen_slots[self.body.names[index]]:
+                        shape = self.body.shapes[index]
+                        self._holders.setdefault(id(self.body.weights[index]), []).append(
+                            (key, lambda t, at=(stage, slot), shape=shape: t[at].view(shape)))
+                elif isinstance(holder := self.state_tensor(key), nn.Parameter) and id(holder) not in self._holders:
+                    self._holders[id(holder)] = [(key, lambda t: t)]  # a tied weight by its first name
+        return [(name, part(tensor)) for name, part in self._holders.get(id(parameter), [])]
 
     def named_gradients(self) -> dict[str, torch.Tensor | None]:
         """Gradients under the wrapped module's parameter names; ``None`` for frozen weights."""

@@ -1,0 +1,162 @@
+"""``xpipe.save`` / ``xpipe.load``: resume exactly, load into another layout or the
+plain model, and refuse damaged or foreign checkpoints before changing anything.
+
+The devices executor in this (non-SPMD) process; a checkpoint written by the spmd
+executor comes from a subprocess. Exact: weights after load equal bit for bit;
+resumed losses and weights within 1e-6 relative of the uninterrupted run.
+"""
+
+import copy
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+import torch_xla
+
+import xpipe
+from xpipe import checkpoints
+from equivalence import step_losses
+from xpipe.models import mlp_stack, resnet_like, small_cnn
+
+EXACT = dict(rtol=1e-6, atol=0)
+
+
+def batches(count: int, rows: int = 8) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(count)
+    return [(torch.randn(rows, 3, 16, 16, generator=generator), torch.randint(0, 10, (rows,), generator=generator))
+            for _ in range(count)]
+
+
+def make(model: torch.nn.Module, stages: int = 2, **options) -> tuple[xpipe.Pipe, torch.optim.Optimizer]:
+    pipe = xpipe.Pipe(model, chunks=4, stages=stages, executor="devices", loss_fn=F.cross_entropy, **options)
+    return pipe, torch.optim.AdamW(pipe.parameters(), lr=1e-3, weight_decay=0.1)
+
+
+def test_resume_equals_the_uninterrupted_run(tmp_path):
+    data = batches(12)
+    model = resnet_like()
+    uninterrupted, optimizer = make(copy.deepcopy(model))
+    expected = step_losses(uninterrupted, optimizer, data)
+
+    first, optimizer = make(copy.deepcopy(model))
+    losses = step_losses(first, optimizer, data[:6])
+    xpipe.save(tmp_path / "ckpt", first, optimizer, step=6, extra={"data": "position 6"})
+    resumed, optimizer = make(resnet_like())  # fresh weights and optimizer
+    assert xpipe.load(tmp_path / "ckpt", resumed, optimizer) == (6, {"data": "position 6"})
+    losses += step_losses(resumed, optimizer, data[6:])
+    torch.testing.assert_close(losses, expected, **EXACT)
+    for key, value in uninterrupted.state_dict().items():
+        torch.testing.assert_close(resumed.state_dict()[key].cpu(), value.cpu(), **EXACT, msg=key)
+
+
+def test_another_stage_count_and_the_plain_model_load_it(tmp_path):
+    data = batches(3)
+    pipe, optimizer = make(resnet_like())
+    step_losses(pipe, optimizer, data[:2])
+    xpipe.save(tmp_path / "ckpt", pipe, optimizer, step=2)
+    saved = {key: value.cpu() for key, value in pipe.state_dict().items()}
+
+    four, four_optimizer = make(resnet_like(), stages=4)
+    plain = resnet_like()
+    plain_optimizer = torch.optim.AdamW(plain.parameters(), lr=1e-3, weight_decay=0.1)
+    xpipe.load(tmp_path / "ckpt", four, four_optimizer)
+    checkpoints.load_plain(tmp_path / "ckpt", plain, plain_optimizer)
+    for key, value in saved.items():
+        assert torch.equal(four.state_dict()[key].cpu(), value), key
+        assert torch.equal(plain.state_dict()[key], value), key
+    batch, target = data[2]
+    expected = F.cross_entropy(plain(batch), target)
+    expected.backward()
+    plain_optimizer.step()
+    loss = four.step(batch, target)
+    four_optimizer.step()
+    torch_xla.sync()
+    torch.testing.assert_close(loss.cpu(), expected.detach(), rtol=1e-5, atol=0)
+    for key, value in plain.state_dict().items():
+        torch.testing.assert_close(four.state_dict()[key].cpu(), value, rtol=1e-5, atol=1e-6, msg=key)
+
+
+def test_damaged_or_foreign_checkpoints_are_refused_and_change_nothing(tmp_path, monkeypatch):
+    pipe, optimizer = make(small_cnn())
+    xpipe.save(tmp_path / "ckpt", pipe, optimizer, step=1)
+    before = {key: value.cpu().clone() for key, value in pipe.state_dict().items()}
+    data_file = next(f for f in (tmp_path / "ckpt").iterdir() if f.suffix == ".distcp")
+
+    damaged = tmp_path / "truncated"
+    _copy(tmp_path / "ckpt", damaged)
+    content = (damaged / data_file.name).read_bytes()
+    (damaged / data_file.name).write_bytes(content[: len(content) // 2])
+    with pytest.raises(ValueError, match=rf"checkpoint: '.*truncated/{data_file.name}' is truncated or corrupted"):
+        xpipe.load(damaged, pipe, optimizer)
+
+    flipped = tmp_path / "flipped"
+    _copy(tmp_path / "ckpt", flipped)
+    content = bytearray((flipped / data_file.name).read_bytes())
+    content[len(content) // 3] ^= 0x01
+    (flipped / data_file.name).write_bytes(bytes(content))
+    with pytest.raises(ValueError, match="is truncated or corrupted"):
+        xpipe.load(flipped, pipe, optimizer)
+
+    other, _ = make(resnet_like())
+    xpipe.save(tmp_path / "other", other)
+    foreign = r"checkpoint: '.*other' is from another model: missing keys \['0.bias'.*other shapes \['0.weight"
+    with pytest.raises(ValueError, match=foreign):
+        xpipe.load(tmp_path / "other", pipe)
+    with pytest.raises(ValueError, match="was saved without an optimizer"):
+        xpipe.load(tmp_path / "other", other, torch.optim.SGD(other.parameters(), lr=0.1))
+    with pytest.raises(ValueError, match="manifest.json' does not exist"):
+        xpipe.load(tmp_path / "nowhere", pipe)
+
+    def fails_midway(*args, **kwargs):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(checkpoints.dcp, "save", fails_midway)
+    with pytest.raises(OSError, match="disk full"):
+        xpipe.save(tmp_path / "ckpt", pipe, optimizer, step=2)
+    monkeypatch.undo()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "flipped", "other", "truncated"], \
+        "a failed save leaves no partial directory behind"
+    assert xpipe.load(tmp_path / "ckpt", pipe, optimizer) == (1, None), "the previous checkpoint still loads"
+    for key, value in before.items():
+        assert torch.equal(pipe.state_dict()[key].cpu(), value), key
+
+
+def test_a_checkpoint_from_the_spmd_executor_loads_here(tmp_path):
+    """Saved by an spmd Pipe on a 2 (data) x 4 (stage) mesh with AdamW state on its
+    stacked weights; loaded into the devices executor on 4 devices."""
+    script = textwrap.dedent(f"""
+        import torch, torch_xla, xpipe
+        from xpipe.models import mlp_stack
+        torch.manual_seed(0)
+        pipe = xpipe.Pipe(mlp_stack(blocks=8, width=16, inputs=8, outputs=4), chunks=4, mesh=xpipe.make_mesh(4, 2))
+        optimizer = torch.optim.AdamW(pipe.parameters(), lr=1e-2)
+        pipe(torch.randn(8, 8)).pow(2).mean().backward()
+        optimizer.step()
+        torch_xla.sync()
+        xpipe.save({str(tmp_path / "spmd")!r}, pipe, optimizer, step=1)
+        torch.save({{k: v.cpu() for k, v in pipe.state_dict().items()}}, {str(tmp_path / "weights.pt")!r})
+    """)
+    environment = dict(os.environ, PJRT_DEVICE="CPU", CPU_NUM_DEVICES="8")
+    subprocess.run([sys.executable, "-c", script], check=True, env=environment, timeout=600)
+    weights = torch.load(tmp_path / "weights.pt")
+    pipe = xpipe.Pipe(mlp_stack(blocks=8, width=16, inputs=8, outputs=4), chunks=4, stages=4, executor="devices")
+    assert xpipe.load(tmp_path / "spmd", pipe) == (1, None)
+    for key, value in weights.items():
+        assert torch.equal(pipe.state_dict()[key].cpu(), value), key
+    plain = mlp_stack(blocks=8, width=16, inputs=8, outputs=4)
+    optimizer = torch.optim.AdamW(plain.parameters(), lr=1e-2)
+    checkpoints.load_plain(tmp_path / "spmd", plain, optimizer)
+    for name in ("1.up.weight", "5.down.weight", "9.weight"):  # blocks on stages 0 and 2, then the head
+        state = optimizer.state[plain.get_parameter(name)]
+        assert state["exp_avg"].abs().sum() > 0 and state["step"] == 1, f"{name}'s AdamW state arrives unstacked"
+
+
+def _copy(source: Path, destination: Path) -> None:
+    destination.mkdir()
+    for file in source.iterdir():
+        (destination / file.name).write_bytes(file.read_bytes())

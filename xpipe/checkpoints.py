@@ -1,0 +1,335 @@
+"""Checkpoints of a training run: ``xpipe.save`` and ``xpipe.load``.
+
+A checkpoint is a directory. Its tensors (the model's state and the optimizer's
+per-parameter state) are written by ``torch.distributed.checkpoint`` under the
+wrapped module's own names: the spmd executor's stacked weights, and the
+optimizer state that lives on them, are unstacked as ``pipe.state_dict()`` is.
+That is what lets a checkpoint load into any layout (other stage counts, meshes,
+the other executor) and into the plain model (:func:`load_plain`). Beside them:
+``training.pt`` (the step, the caller's ``extra``, the optimizer's param groups
+by parameter name, the random-number states) and ``manifest.json`` (the layout
+it was saved from, every key's shape, every file's SHA-256).
+
+Writes are atomic: everything goes to a temporary directory beside ``path``,
+which replaces ``path`` only when complete, so a save that fails leaves the
+previous checkpoint as it was. A load checks the files' hashes, the keys and
+the shapes before it changes any state.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+import torch_xla.core.xla_model as xm
+from torch import nn
+
+FORMAT = 1
+MANIFEST = "manifest.json"
+TRAINING = "training.pt"
+
+
+def save(path: str | os.PathLike, pipe: nn.Module, optimizer: torch.optim.Optimizer | None = None,
+         step: int | None = None, extra: Any = None) -> None:
+    """Write ``pipe``'s model state (and ``optimizer``'s, the ``step``, ``extra`` and
+    the random-number states) to the directory ``path``, replacing what is there
+    only once the whole checkpoint is written.
+
+    Args:
+        path: the checkpoint's directory; its parent must exist.
+        pipe: an :class:`xpipe.Pipe` (or a plain ``nn.Module``, whose state is saved
+            the same way).
+        optimizer: an optimizer over ``pipe.parameters()``.
+        step: the training step, returned by :func:`load`.
+        extra: anything ``torch.save`` can write, returned by :func:`load`.
+    """
+    path = Path(path)
+    if not path.parent.is_dir():
+        raise FileNotFoundError(f"path: the directory {str(path.parent)!r} that should hold the checkpoint "
+                                "does not exist; create it first")
+    model = {key: _on_host(value) for key, value in pipe.state_dict().items()}
+    tensors: dict[str, Any] = {"model": model}
+    training: dict[str, Any] = {"step": step, "extra": extra, "rng": _rng_states(pipe)}
+    if optimizer is not None:
+        tensors["optimizer"], training["param_groups"] = _named_optimizer_state(pipe, optimizer)
+    staging = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".saving", dir=path.parent))
+    try:
+        with _quiet_single_process():
+            # Tensors are already on the host. Copying ahead would look for an accelerator's
+            # streams, and torch_xla's SPMD mode registers a device module that has none.
+            writer = dcp.FileSystemWriter(staging, per_thread_copy_ahead=0)
+            dcp.save(tensors, storage_writer=writer, no_dist=_single_process())
+        torch.save(training, staging / TRAINING)
+        manifest = {
+            "format": FORMAT,
+            "xpipe": _version(),
+            "layout": _layout(pipe),
+            "optimizer": optimizer is not None,
+            "dtypes": {f"{part}/{key}": str(value.dtype).removeprefix("torch.")
+                       for part, key, value in _flat_tensors(tensors)},
+            "shapes": {f"{part}/{key}": list(value.shape) for part, key, value in _flat_tensors(tensors)},
+            "files": {name: _sha256(staging / name) for name in sorted(os.listdir(staging))},
+        }
+        (staging / MANIFEST).write_text(json.dumps(manifest, indent=1))
+        _replace(path, staging)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def load(path: str | os.PathLike, pipe: nn.Module,
+         optimizer: torch.optim.Optimizer | None = None) -> tuple[int | None, Any]:
+    """Load a checkpoint written by :func:`save` into ``pipe`` (and ``optimizer``),
+    whatever layout it was saved from, and restore the random-number states.
+
+    Returns:
+        ``(step, extra)`` as they were given to :func:`save`.
+
+    Raises:
+        ValueError: a checkpoint that is incomplete, corrupted, from another model
+            (missing or unexpected keys, other shapes) or without optimizer state
+            when ``optimizer`` is given; nothing is changed then.
+    """
+    path = Path(path)
+    manifest = _checked_manifest(path)
+    expected = {key: value for key, value in pipe.state_dict().items()}
+    _check_matches(path, manifest, expected, optimizer is not None)
+    tensors: dict[str, Any] = {"model": {key: torch.empty(value.shape, dtype=value.dtype)
+                                         for key, value in expected.items()}}
+    if optimizer is not None:
+        tensors["optimizer"] = _optimizer_template(path, manifest)
+    with _quiet_single_process():
+        dcp.load(tensors, checkpoint_id=path, no_dist=_single_process())
+    training = torch.load(path / TRAINING, weights_only=False)
+    pipe.load_state_dict(tensors["model"])
+    if optimizer is not None:
+        optimizer.load_state_dict(_positional_optimizer_state(pipe, optimizer, tensors["optimizer"],
+                                                              training["param_groups"], path))
+    _restore_rng(pipe, training["rng"])
+    return training["step"], training["extra"]
+
+
+def load_plain(path: str | os.PathLike, module: nn.Module,
+               optimizer: torch.optim.Optimizer | None = None) -> tuple[int | None, Any]:
+    """Load a checkpoint into the plain (unpipelined) ``module`` and its optimizer:
+    :func:`load` for any ``nn.Module``, whose parameters are named as the Pipe's were."""
+    return load(path, module, optimizer)
+
+
+def _single_process() -> bool:
+    """No process group: DCP writes and reads the whole state from this process."""
+    return not (torch.distributed.is_available() and torch.distributed.is_initialized())
+
+
+@contextlib.contextmanager
+def _quiet_single_process() -> Iterator[None]:
+    """Without the warning DCP gives for every single-process save and load."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
+def _on_host(tensor: torch.Tensor) -> torch.Tensor:
+    """A CPU copy of ``tensor`` that nothing else shares."""
+    return tensor.detach().to("cpu", copy=True)
+
+
+def _named_optimizer_state(pipe: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, list[dict]]:
+    """The optimizer's per-parameter state under the wrapped module's names, and its
+    param groups with parameters listed by name."""
+    state: dict[str, dict[str, torch.Tensor]] = {}
+    groups = []
+    for group in optimizer.param_groups:
+        names = []
+        for parameter in group["params"]:
+            slices = _named_slices(pipe, parameter)
+            names += [name for name, _ in slices]
+            for key, value in optimizer.state.get(parameter, {}).items():
+                if value is None:  # SGD without momentum keeps momentum_buffer=None
+                    continue
+                if not isinstance(value, torch.Tensor):
+                    raise ValueError(f"optimizer: state {key!r} is a {type(value).__name__}; xpipe.save writes "
+                                     "optimizers whose per-parameter state is tensors (SGD, Adam, AdamW, ...)")
+                for name, part in _named_slices(pipe, parameter, value):
+                    state.setdefault(name, {})[key] = _on_host(part)
+        groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": names})
+    return state, groups
+
+
+def _named_slices(pipe: nn.Module, parameter: torch.Tensor,
+                  tensor: torch.Tensor | None = None) -> list[tuple[str, torch.Tensor]]:
+    """The wrapped module's parameters that ``parameter`` holds, by name, with their
+    parts of ``tensor`` (a tensor shaped like ``parameter``, or ``parameter`` itself);
+    a state that is not shaped like it (Adam's ``step``) is every name's."""
+    tensor = parameter if tensor is None else tensor
+    runner = getattr(pipe, "runner", None)
+    if runner is not None:
+        slices = runner.named_slices(parameter, tensor if tensor.shape == parameter.shape else parameter)
+    else:
+        slices = [(name, tensor) for name, p in pipe.named_parameters() if p is parameter][:1]
+    if not slices:
+        raise ValueError("optimizer: it steps a tensor that is not one of pipe.parameters(); build it on "
+                         "pipe.parameters() after wrapping the model")
+    if tensor.shape != parameter.shape:
+        return [(name, tensor) for name, _ in slices]
+    return slices
+
+
+def _rng_states(pipe: nn.Module) -> dict[str, Any]:
+    """torch's CPU generator (the spmd executor's dropout seeds) and each XLA device's."""
+    devices = [str(d) for d in getattr(pipe, "devices", [])]
+    return {"torch": torch.get_rng_state(), "xla": {d: xm.get_rng_state(torch.device(d)) for d in devices}}
+
+
+def _restore_rng(pipe: nn.Module, states: dict[str, Any]) -> None:
+    torch.set_rng_state(states["torch"])
+    devices = {str(d) for d in getattr(pipe, "devices", [])}
+    for device, seed in states["xla"].items():
+        if device in devices:  # another layout's devices: their streams do not carry over
+            xm.set_rng_state(seed, torch.device(device))
+
+
+def _layout(pipe: nn.Module) -> dict[str, Any]:
+    partition = getattr(pipe, "partition", None)
+    mesh = getattr(pipe, "mesh", None)
+    return {"executor": getattr(pipe, "executor", "plain"),
+            "stages": len(partition.balance) if partition is not None else 1,
+            "balance": list(partition.balance) if partition is not None else None,
+            "mesh": list(mesh.mesh_shape) if mesh is not None else None}
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("xpipe")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+def _flat_tensors(tensors: dict[str, Any]) -> list[tuple[str, str, torch.Tensor]]:
+    """(part, key, tensor) for the model's and the optimizer's tensors."""
+    flat = [("model", key, value) for key, value in tensors["model"].items()]
+    for name, state in tensors.get("optimizer", {}).items():
+        flat += [("optimizer", f"{name}/{key}", value) for key, value in state.items()]
+    return flat
+
+
+def _sha256(file: Path) -> str:
+    digest = hashlib.sha256()
+    with open(file, "rb") as stream:
+        for block in iter(lambda: stream.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _replace(path: Path, staging: Path) -> None:
+    """Put the complete checkpoint ``staging`` at ``path``; the old one goes only after."""
+    retired = None
+    if path.exists():
+        retired = path.with_name(f".{path.name}.{os.getpid()}.replaced")
+        os.rename(path, retired)
+    os.rename(staging, path)
+    if retired is not None:
+        shutil.rmtree(retired)
+
+
+def _checked_manifest(path: Path) -> dict[str, Any]:
+    """The manifest, once every file it lists is there with its hash."""
+    manifest_file = path / MANIFEST
+    if not manifest_file.is_file():
+        raise ValueError(f"checkpoint: {str(manifest_file)!r} does not exist: {str(path)!r} is not an xpipe "
+                         "checkpoint, or its save did not finish")
+    try:
+        manifest = json.loads(manifest_file.read_text())
+        files = manifest["files"]
+    except (json.JSONDecodeError, KeyError, TypeError) as error:
+        raise ValueError(f"checkpoint: {str(manifest_file)!r} is damaged ({error})") from error
+    for name, digest in files.items():
+        file = path / name
+        if not file.is_file():
+            raise ValueError(f"checkpoint: {str(file)!r} is missing")
+        if _sha256(file) != digest:
+            raise ValueError(f"checkpoint: {str(file)!r} is truncated or corrupted (its SHA-256 differs from "
+                             "the one written at save time)")
+    return manifest
+
+
+def _check_matches(path: Path, manifest: dict[str, Any], expected: dict[str, torch.Tensor],
+                   wants_optimizer: bool) -> None:
+    """The checkpoint holds exactly this model's keys and shapes."""
+    saved = {key[len("model/"):]: shape for key, shape in manifest["shapes"].items() if key.startswith("model/")}
+    missing = [key for key in expected if key not in saved]
+    unexpected = [key for key in saved if key not in expected]
+    reshaped = [f"{key} {saved[key]} (model: {list(value.shape)})" for key, value in expected.items()
+                if key in saved and saved[key] != list(value.shape)]
+    if missing or unexpected or reshaped:
+        raise ValueError(f"checkpoint: {str(path)!r} is from another model: missing keys {missing[:5]}, "
+                         f"unexpected keys {unexpected[:5]}, other shapes {reshaped[:5]}")
+    if wants_optimizer and not manifest.get("optimizer"):
+        raise ValueError(f"checkpoint: {str(path)!r} was saved without an optimizer; load it with optimizer=None")
+
+
+def _optimizer_template(path: Path, manifest: dict[str, Any]) -> dict[str, dict[str, torch.Tensor]]:
+    """Empty CPU tensors for the optimizer state the checkpoint holds, to load into."""
+    template: dict[str, dict[str, torch.Tensor]] = {}
+    for key, shape in manifest["shapes"].items():
+        if key.startswith("optimizer/"):
+            name, state_key = key[len("optimizer/"):].rsplit("/", 1)
+            dtype = getattr(torch, manifest["dtypes"][key])
+            template.setdefault(name, {})[state_key] = torch.empty(shape, dtype=dtype)
+    return template
+
+
+def _positional_optimizer_state(pipe: nn.Module, optimizer: torch.optim.Optimizer,
+                                named_state: dict[str, dict[str, torch.Tensor]], named_groups: list[dict],
+                                path: Path) -> dict[str, Any]:
+    """The saved optimizer state as ``optimizer.load_state_dict`` takes it: per parameter
+    of ``optimizer`` (in this layout), its names' states assembled into one tensor."""
+    if len(named_groups) != len(optimizer.param_groups):
+        raise ValueError(f"optimizer: the checkpoint {str(path)!r} has {len(named_groups)} param groups and "
+                         f"this optimizer {len(optimizer.param_groups)}; build it with the same groups")
+    state: dict[int, dict[str, torch.Tensor]] = {}
+    groups = []
+    index = 0
+    for group, saved_group in zip(optimizer.param_groups, named_groups):
+        positions = []
+        for parameter in group["params"]:
+            names = [name for name, _ in _named_slices(pipe, parameter)]
+            absent = [name for name in names if name not in saved_group["params"]]
+            if absent:
+                raise ValueError(f"optimizer: {absent[:3]} are not in the checkpoint's param group; build the "
+                                 "optimizer with the same parameters in the same groups")
+            if any(name in named_state for name in names):
+                state[index] = _assembled(pipe, parameter, named_state)
+            positions.append(index)
+            index += 1
+        groups.append({**{k: v for k, v in saved_group.items() if k != "params"}, "params": positions})
+    return {"state": state, "param_groups": groups}
+
+
+def _assembled(pipe: nn.Module, parameter: torch.Tensor, named_state: dict[str, dict[str, torch.Tensor]]) -> dict:
+    """One parameter's optimizer state from its names' states (a stacked weight's from
+    its blocks'): a state shaped like each name's parameter goes into its part; any
+    other (Adam's ``step``, a scalar) is the same for every name and taken once."""
+    assembled = {}
+    present = [name for name, _ in _named_slices(pipe, parameter) if name in named_state]
+    for key, first in named_state[present[0]].items():
+        whole = torch.zeros(parameter.shape, dtype=first.dtype)
+        parts = [(name, part) for name, part in _named_slices(pipe, parameter, whole) if name in named_state]
+        if all(key in named_state[name] and named_state[name][key].shape == part.shape for name, part in parts):
+            for name, part in parts:
+                part.copy_(named_state[name][key])
+            assembled[key] = whole
+        else:
+            assembled[key] = first.clone()
+    return assembled

@@ -135,3 +135,33 @@ def _moved_in_place(parameter: nn.Parameter, device: torch.device) -> nn.Paramet
         return on_device
     torch.utils.swap_tensors(parameter, on_device)
     return parameter
+
+
+def to_host(tensor: torch.Tensor) -> torch.Tensor:
+    """A CPU copy of ``tensor``, for checkpoints and state dicts.
+
+    A tensor sharded under SPMD is put together from its shards on this host:
+    torch_xla's ``.cpu()`` compiles a small gathering program for every call (about
+    4 ms each on the CPU emulation, uncached), which made a checkpoint of a few
+    dozen tensors five times slower than ``torch.save``. Where this host does not
+    hold every shard (a multi-host pod), ``.cpu()`` gathers them.
+    """
+    import torch_xla
+    import torch_xla.distributed.spmd as xs
+
+    if tensor.device.type != "xla":
+        return tensor.detach().to("cpu", copy=True)
+    sharded = xs.wrap_if_sharded(tensor.detach())
+    if not isinstance(sharded, xs.XLAShardedTensor):
+        return tensor.detach().cpu()
+    torch_xla._XLAC._xla_sync_multi([tensor], devices=[], wait=True)  # shards hold the current value
+    shards = sharded.local_shards
+    if any(shard.indices is Ellipsis for shard in shards):
+        return next(shard.data for shard in shards if shard.indices is Ellipsis).clone()
+    whole = torch.empty(tensor.shape, dtype=tensor.dtype)
+    covered = torch.zeros(tensor.shape, dtype=torch.bool)
+    for shard in shards:
+        index = tuple(shard.indices)
+        whole[index] = shard.unpadded_data
+        covered[index] = True
+    return whole if bool(covered.all()) else tensor.detach().cpu()

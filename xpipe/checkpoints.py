@@ -34,6 +34,8 @@ import torch.distributed.checkpoint as dcp
 import torch_xla.core.xla_model as xm
 from torch import nn
 
+from xpipe._xla import to_host
+
 FORMAT = 1
 MANIFEST = "manifest.json"
 TRAINING = "training.pt"
@@ -57,7 +59,7 @@ def save(path: str | os.PathLike, pipe: nn.Module, optimizer: torch.optim.Optimi
     if not path.parent.is_dir():
         raise FileNotFoundError(f"path: the directory {str(path.parent)!r} that should hold the checkpoint "
                                 "does not exist; create it first")
-    model = {key: _on_host(value) for key, value in pipe.state_dict().items()}
+    model = _host_state(pipe)
     tensors: dict[str, Any] = {"model": model}
     training: dict[str, Any] = {"step": step, "extra": extra, "rng": _rng_states(pipe)}
     if optimizer is not None:
@@ -138,9 +140,16 @@ def _quiet_single_process() -> Iterator[None]:
         yield
 
 
+def _host_state(module: nn.Module) -> dict[str, torch.Tensor]:
+    """The model's state dict on the host."""
+    if hasattr(module, "host_state_dict"):
+        return module.host_state_dict()
+    return {key: _on_host(value) for key, value in module.state_dict().items()}
+
+
 def _on_host(tensor: torch.Tensor) -> torch.Tensor:
     """A CPU copy of ``tensor`` that nothing else shares."""
-    return tensor.detach().to("cpu", copy=True)
+    return to_host(tensor)
 
 
 def _named_optimizer_state(pipe: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, list[dict]]:
@@ -159,8 +168,9 @@ def _named_optimizer_state(pipe: nn.Module, optimizer: torch.optim.Optimizer) ->
                 if not isinstance(value, torch.Tensor):
                     raise ValueError(f"optimizer: state {key!r} is a {type(value).__name__}; xpipe.save writes "
                                      "optimizers whose per-parameter state is tensors (SGD, Adam, AdamW, ...)")
-                for name, part in _named_slices(pipe, parameter, value):
-                    state.setdefault(name, {})[key] = _on_host(part)
+                host = _on_host(value)  # whole, then cut on the host: no device program per slice
+                for name, part in _named_slices(pipe, parameter, host):
+                    state.setdefault(name, {})[key] = part.clone()
         groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": names})
     return state, groups
 

@@ -254,6 +254,11 @@ class Pipe(nn.Module):
             state[prefix + key] = tensor if keep_vars else tensor.detach()
         return state
 
+    def host_state_dict(self) -> dict[str, torch.Tensor]:
+        """``state_dict()`` as CPU copies, fetched a whole tensor at a time: under spmd,
+        moving each block's view of the stacked weights would compile a program per view."""
+        return self.runner.host_state(self._original_keys)
+
     def load_state_dict(self, state_dict: Mapping[str, torch.Tensor], strict: bool = True, assign: bool = False):
         """Load a state dict of the wrapped module (as ``module.state_dict()`` gives)."""
         missing = [k for k in self._original_keys if k not in state_dict]

@@ -59,3 +59,16 @@ def test_resume_on_2x4_then_load_into_1x8_and_the_plain_model(tmp_path):
         eight_optimizer.zero_grad()
         torch_xla.sync()
         torch.testing.assert_close(loss.cpu(), expected_loss.detach(), rtol=1e-5, atol=0)
+
+
+def test_host_state_dict_is_put_together_from_the_shards():
+    """Stacked weights sharded on "stage", replicated head and embedding: the same
+    values as fetching each ``state_dict()`` tensor with ``.cpu()``."""
+    pipe, optimizer = make(tiny_lm(blocks=6), 4, 2)  # 6 blocks on 4 stages: padded slots
+    batch, targets = batch_for(tiny_lm(), 8)
+    step_losses(pipe, optimizer, [(batch, targets)])
+    host = pipe.host_state_dict()
+    assert list(host) == list(pipe.state_dict())
+    for key, value in pipe.state_dict().items():
+        assert host[key].device.type == "cpu"
+        assert torch.equal(host[key], value.cpu()), key

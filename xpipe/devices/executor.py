@@ -144,6 +144,10 @@ class DevicesPipeline(nn.Module):
         """Gradients under the wrapped module's parameter names."""
         return {name: p.grad for name, p in self._module[0].named_parameters(remove_duplicate=False)}
 
+    def host_state(self, keys: list[str]) -> dict[str, torch.Tensor]:
+        """``state_dict`` keys ``keys`` as CPU copies."""
+        return {key: self.state_tensor(key).detach().cpu() for key in keys}
+
     def named_slices(self, parameter: torch.Tensor, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
         """The wrapped module's parameter that ``parameter`` is, by name (its first, if
         tied), with ``tensor`` (shaped like it: its gradient, an optimizer's state)."""

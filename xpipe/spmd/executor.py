@@ -26,6 +26,7 @@ from torch_xla.experimental.scan import scan
 
 from xpipe._batch import check_outputs
 from xpipe._batchnorm import RunningStatistics
+from xpipe._xla import to_host
 from xpipe.checkpoint import kept_cells, recompute
 from xpipe.schedule import Schedule, gpipe
 from xpipe.spmd.conveyor import Layout, column_tables, from_slots, make_layout, make_tick, to_slots
@@ -96,6 +97,22 @@ class SpmdPipeline(nn.Module):
             return self.body.block_tensor(*source)
         owner, _, name = key.rpartition(".")
         return getattr(source.get_submodule(owner), name)
+
+    def host_state(self, keys: list[str]) -> dict[str, torch.Tensor]:
+        """``state_dict`` keys ``keys`` as CPU copies; each stacked tensor is fetched
+        once, from its shards, and cut on the host (see :func:`xpipe._xla.to_host`)."""
+        fetched: dict[int, torch.Tensor] = {}
+        state = {}
+        for key in keys:
+            source = self._sources[key]
+            if isinstance(source, tuple):
+                holder, place, shape = self.body.block_place(*source)
+                if id(holder) not in fetched:
+                    fetched[id(holder)] = to_host(holder)
+                state[key] = fetched[id(holder)][place].view(shape).clone()
+            else:
+                state[key] = to_host(self.state_tensor(key))
+        return state
 
     def named_slices(self, parameter: torch.Tensor, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
         """The wrapped module's trainable parameters that ``parameter`` (one of
@@ -301,12 +318,18 @@ class StackedWeights(nn.Module):
 
     def block_tensor(self, index: int, block: int) -> torch.Tensor:
         """Block ``block``'s value of parameter ``index``, a view of the tensor that holds it."""
+        holder, place, shape = self.block_place(index, block)
+        return holder[place].view(shape)
+
+    def block_place(self, index: int, block: int) -> tuple[torch.Tensor, tuple[int, int], torch.Size]:
+        """Where block ``block``'s value of parameter ``index`` lives: the tensor that
+        holds it (the Parameter, or the frozen buffer), its (stage, slot), its shape."""
         name = self.names[index]
         stage, slot = self.slots[block]
         holder = self.weights[index]
         if name in self.trainable and (stage, slot) in self.frozen_slots[name]:
             holder = getattr(self, _attribute(name) + "__frozen")
-        return holder[stage, slot].view(self.shapes[index])
+        return holder, (stage, slot), self.shapes[index]
 
     def block_grad(self, index: int, block: int) -> torch.Tensor | None:
         """The gradient of block ``block``'s parameter ``index``; ``None`` if frozen or not computed."""

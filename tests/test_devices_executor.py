@@ -6,12 +6,14 @@ width), a U-Net (skip connections over two and three cuts) and an MLP cut
 unevenly; chunks in {1, 4, 8}, each checkpoint mode.
 """
 
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
 import torch_xla
 import torch_xla.core.xla_model as xm
-from equivalence import assert_pipe_matches, train_steps
+from equivalence import ATOL, RTOL, assert_pipe_matches, train_steps
 
 import xpipe
 from xpipe.models import mlp_stack, resnet_like, small_cnn, transformer_lm, unet
@@ -136,12 +138,43 @@ def test_bad_arguments_name_themselves():
         xpipe.Pipe(small_cnn(), chunks=2, stages=9, executor="devices")
     with pytest.raises(ValueError, match="mesh: the devices executor .* takes no mesh"):
         xpipe.Pipe(small_cnn(), chunks=2, mesh=object(), executor="devices")
-    with pytest.raises(ValueError, match="module: parameter 'head.weight' is used in stage 3 and also in stage 0"):
-        xpipe.Pipe(transformer_lm(blocks=2, width=16, heads=2, seq=8, vocab=32), chunks=2, stages=4,
-                   executor="devices")
     interleaving = xpipe.Pipe(small_cnn(), chunks=4, stages=2, schedule="1f1b")
     with pytest.raises(RuntimeError, match=r"schedule '1f1b' interleaves forwards and backwards.*pipe.step"):
         interleaving(torch.zeros(8, 3, 32, 32))
     pipe = xpipe.Pipe(small_cnn(), chunks=4, stages=2)
     with pytest.raises(TypeError, match=r"x: the model takes 1 inputs \(input_1\), got 2"):
         pipe(torch.zeros(8, 3, 32, 32), torch.zeros(8))
+
+
+def test_a_weight_tied_across_devices_trains_as_one():
+    """The LM's embedding and head share one Parameter, used on devices 0 and 3:
+    three AdamW steps through pipe(x) equal the plain model's (losses and the tied
+    weight), and the model's tie stays a tie on the first stage's device."""
+    model = transformer_lm(blocks=2, width=16, heads=2, seq=8, vocab=32)
+    reference = copy.deepcopy(model)
+    pipe = xpipe.Pipe(model, chunks=2, stages=4, executor="devices")
+    assert model.head.weight is model.embed.tokens.weight and model.head.weight.device == pipe.devices[0]
+    assert sum(p is model.head.weight for p in pipe.parameters()) == 1, "the optimizer steps it once"
+    optimizer = torch.optim.AdamW(pipe.parameters(), lr=1e-2)
+    reference_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    ids = torch.randint(0, 32, (4, 9), generator=torch.Generator().manual_seed(3))
+
+    def next_token_loss(logits, targets):
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+    for _ in range(3):
+        loss = next_token_loss(pipe(ids[:, :-1]), ids[:, 1:].to(pipe.devices[-1]))
+        loss.backward()
+        torch.testing.assert_close(model.head.weight.grad.cpu(), _plain_grad(reference, ids, next_token_loss),
+                                   rtol=RTOL, atol=ATOL)
+        optimizer.step()
+        optimizer.zero_grad()
+        reference_optimizer.step()
+        reference_optimizer.zero_grad()
+        torch_xla.sync()
+    torch.testing.assert_close(model.head.weight.cpu(), reference.head.weight, rtol=RTOL, atol=ATOL)
+
+
+def _plain_grad(reference: torch.nn.Module, ids: torch.Tensor, loss_fn) -> torch.Tensor:
+    loss_fn(reference(ids[:, :-1]), ids[:, 1:]).backward()
+    return reference.head.weight.grad.clone()

@@ -52,13 +52,13 @@ def test_every_schedule_trains_the_unet_with_long_skips(schedule, virtual):
 
 
 def test_cells_run_in_the_tables_order():
-    """A cell starts only after the cells it depends on have finished on their devices."""
+    """A cell starts only after the cells it depends on, on other devices, have finished
+    there (on its own device, XLA runs programs in the order they were launched)."""
     pipe = assert_step_matches(small_cnn(), torch.randn(8, 3, 32, 32), labels(8), torch.nn.CrossEntropyLoss(),
                                chunks=4, stages=4, schedule="zb-h1", executor="devices")
     events = {(e.stage, e.kind, e.microbatch): e for e in _timeline(pipe)}
     for (stage, kind, microbatch), event in events.items():
-        needed = {"F": [(stage - 1, "F", microbatch)], "W": [(stage, "I", microbatch)],
-                  "I": [(stage, "F", microbatch), (stage + 1, "I", microbatch)]}[kind]
+        needed = {"F": [(stage - 1, "F", microbatch)], "W": [], "I": [(stage + 1, "I", microbatch)]}[kind]
         for before in needed:
             if before in events:
                 assert events[before].ready <= event.launched, f"{before} must finish before {event}"

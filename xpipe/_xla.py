@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import weakref
+from collections.abc import Collection
 
 import torch
 from torch import nn
@@ -80,7 +81,8 @@ def check_can_enter_spmd() -> None:
         )
 
 
-def move_keeping_ties(modules: list[nn.Module], device: torch.device) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+def move_keeping_ties(modules: list[nn.Module], device: torch.device, *,
+                      keep: Collection[int] = ()) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
     """Move parameters and buffers to ``device``, keeping every Parameter object.
 
     Each Parameter's contents are swapped in place (``torch.utils.swap_tensors``),
@@ -94,6 +96,10 @@ def move_keeping_ties(modules: list[nn.Module], device: torch.device) -> dict[in
     a new Parameter everywhere the modules hold it, and the old one is retired
     (an optimizer that still holds it refuses to step).
 
+    Tensors whose ``id`` is in ``keep`` stay where they are (a weight tied across
+    stages stays with the first stage that placed it; the devices executor copies
+    it to the others each step).
+
     Returns:
         What was replaced rather than moved in place, ``id(old) -> (old, new)``
         (buffers always are): :func:`rebind` puts the new ones into other modules
@@ -104,7 +110,7 @@ def move_keeping_ties(modules: list[nn.Module], device: torch.device) -> dict[in
         for owner in module.modules():
             for slots, move in ((owner._parameters, _moved_in_place), (owner._buffers, _copied_to)):
                 for name, tensor in slots.items():
-                    if tensor is None or tensor.device == device:
+                    if tensor is None or tensor.device == device or id(tensor) in keep:
                         continue
                     if id(tensor) not in moved:
                         moved[id(tensor)] = (tensor, move(tensor, device))

@@ -32,7 +32,7 @@ from xpipe._xla import move_keeping_ties, rebind, warm_autograd
 from xpipe.capture import place_constants_on
 from xpipe.checkpoint import check_mode
 from xpipe.devices.executor import DevicesPipeline
-from xpipe.devices.stages import StagedModel, cut_into_stages
+from xpipe.devices.stages import cut_into_stages
 from xpipe.mesh import make_mesh, mesh_shape, spmd_device
 from xpipe.partition import Partition, partition
 from xpipe.schedule import Schedule, by_name
@@ -175,12 +175,14 @@ class Pipe(nn.Module):
         self.schedule = by_name(schedule, stages, self.chunks, self.virtual)
         self.partition = partition(module, stages * self.virtual, balance=balance, sample_input=sample_input)
         staged = cut_into_stages(module, self.partition, sample_input)
-        _check_no_ties_across_devices(staged, self.schedule)
         self.devices = [torch_xla.device(index) for index in range(stages)]
         warm_autograd(self.devices[0])
+        placed: set[int] = set()
         for stage, program in enumerate(staged.stages):
             device = self.devices[self.schedule.rank_of(stage)]
-            rebind(module, move_keeping_ties([program.module], device))  # the model holds what trains
+            # The model holds what trains; a weight tied across devices stays with its first stage.
+            rebind(module, move_keeping_ties([program.module], device, keep=placed))
+            placed.update(id(t) for t in [*program.module.parameters(), *program.module.buffers()])
             place_constants_on(program.module, device)
         self.runner = DevicesPipeline(staged, self.devices, self.schedule, self.checkpoint, module,
                                       deferred_batch_norm=deferred_batch_norm)
@@ -338,19 +340,6 @@ def _stage_count(stages: int | None, balance: Sequence[int] | None, devices: int
         raise ValueError(f"stages: {stages} stages need {stages} XLA devices, but there are {devices}; "
                          f"use at most {devices} stages")
     return stages
-
-
-def _check_no_ties_across_devices(staged: StagedModel, schedule: Schedule) -> None:
-    """The devices executor keeps one copy of each weight, on its stage's device."""
-    first_use: dict[int, tuple[int, str]] = {}  # parameter id -> (model stage, name there)
-    for stage, program in enumerate(staged.stages):
-        for name, parameter in program.module.named_parameters():
-            owner, owner_name = first_use.setdefault(id(parameter), (stage, name))
-            if schedule.rank_of(owner) != schedule.rank_of(stage):
-                raise ValueError(
-                    f"module: parameter {name!r} is used in stage {stage} and also in stage {owner} "
-                    f"(as {owner_name!r}); the devices executor keeps each weight on one device. "
-                    "Pass a balance that puts its users in one stage, or use executor='spmd'")
 
 
 def _check_target(target: Any, rows: int, chunks: int, microbatch_dim: int | None) -> None:

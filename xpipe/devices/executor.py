@@ -47,6 +47,7 @@ from xpipe._batch import check_outputs
 from xpipe._batchnorm import RunningStatistics
 from xpipe.checkpoint import kept_cells
 from xpipe.devices.stages import StagedModel, StageProgram
+from xpipe.devices.ties import TiedCopies
 from xpipe.schedule import BACKWARD, FORWARD, WEIGHT_GRAD, Action, Schedule, by_name
 
 
@@ -124,6 +125,8 @@ class DevicesPipeline(nn.Module):
         self.checkpoint = checkpoint
         self.plans: dict[int, Plan] = {}  # microbatches -> plan
         self.batch_norm = RunningStatistics(list(self.stage_modules), deferred=deferred_batch_norm)
+        self.ties = TiedCopies(list(self.stage_modules), self.stage_devices)
+        self.ties.refresh()
         self.timeline: list[Event] = []
         self.peak_held_bytes = [0] * len(devices)
         self._held_bytes = [0] * len(devices)
@@ -154,9 +157,16 @@ class DevicesPipeline(nn.Module):
         names = self._module[0].named_parameters()
         return [(name, tensor) for name, p in names if p is parameter][:1]
 
-    def stage_parameters(self, stage: int) -> list[nn.Parameter]:
-        """The trainable parameters of model stage ``stage``."""
-        return [p for p in self.stage_modules[stage].parameters() if p.requires_grad]
+    def stage_parameters(self, stage: int) -> list[torch.Tensor]:
+        """The trainable weights model stage ``stage`` runs with: its parameters, or
+        this step's copy of those that live on another device (:mod:`.ties`)."""
+        substitutes = self.ties.substitutes(stage)
+        return [substitutes.get(name, p) for name, p in self.stage_modules[stage].named_parameters()
+                if p.requires_grad]
+
+    def run_stage(self, stage: int, *args: Any) -> Any:
+        """Model stage ``stage``'s program on ``args``."""
+        return self.ties.run(stage, self.stage_modules[stage], *args)
 
     def flush(self) -> None:
         """Launch whatever is pending on the stage devices (the last optimizer update).
@@ -190,7 +200,8 @@ class DevicesPipeline(nn.Module):
                   if differentiating and isinstance(x, torch.Tensor) and x.requires_grad]
         step = _Step(self, plan, split, microbatch_dim, differentiating=differentiating,
                      input_grads=[key for key, _ in wanted])
-        parameters = [p for stage in range(len(self.stage_modules)) for p in self.stage_parameters(stage)]
+        parameters = [self.ties.owner(p) for stage in range(len(self.stage_modules))
+                      for p in self.stage_parameters(stage)]
         with _guard_failures_explained():
             leaves = _PipelineFunction.apply(step, *[x for _, x in wanted], *parameters)
         return self._folded(tree_unflatten(list(leaves), step.output_spec))
@@ -234,6 +245,7 @@ class DevicesPipeline(nn.Module):
         if not self._flush_pending:
             xm.add_step_closure(self.flush)
             self._flush_pending = True
+        self.ties.refresh()  # the tied weights as the last optimizer step left them
         self.timeline = []
         self.peak_held_bytes = [0] * len(self.devices)
         self._held_bytes = [0] * len(self.devices)
@@ -330,14 +342,14 @@ class _Step:
             args = self._as_leaves(program, args)
             with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_collect_into(saved), _itself), \
                     statistics:
-                out = program.module(*args)
+                out = self.pipeline.run_stage(stage, *args)
                 result = self._result(stage, microbatch, out)
             self.kept[stage, microbatch] = (args, _Kept(result))
         else:
             if self.differentiating:
                 self.kept[stage, microbatch] = (args, xm.get_rng_state(device))
             with torch.no_grad(), statistics:
-                out = program.module(*args)
+                out = self.pipeline.run_stage(stage, *args)
                 result = self._result(stage, microbatch, out)
         if self.differentiating:
             self.held[stage, microbatch] = _bytes(args) + _bytes(saved)
@@ -377,7 +389,7 @@ class _Step:
         with _buffers_restored(program.module):
             with torch.enable_grad(), _rng_replayed(self.pipeline.stage_devices[stage], kept), \
                     self.pipeline.batch_norm.recomputing():
-                out = self._result(stage, microbatch, program.module(*args))
+                out = self._result(stage, microbatch, self.pipeline.run_stage(stage, *args))
             gradients = self._gradients(stage, microbatch, args, out, weights=weights)
         # Launched with the gradients: restored buffers left pending while the device runs
         # the gradients' graph read device data that run gives away (seen: the next
@@ -465,12 +477,18 @@ class _Step:
         self.output_grads = [[_moved(g, last) for g in per_leaf] for per_leaf in zip(*split)]
 
     def parameter_grads(self) -> list[torch.Tensor | None]:
-        return [grad for totals in self.accumulated for grad in totals]
+        """The step's gradient of each stage's weights, in ``stage_parameters`` order; a
+        tied weight's copy's gradient moved to the device of the Parameter it copies."""
+        ties = self.pipeline.ties
+        used = [p for stage in range(len(self.accumulated)) for p in self.pipeline.stage_parameters(stage)]
+        grads = [grad for totals in self.accumulated for grad in totals]
+        return [g if g is None or ties.owner(p) is p else g.to(ties.owner(p).device) for p, g in zip(used, grads)]
 
     def accumulate_into_grads(self, model_inputs: list[torch.Tensor]) -> None:
         """Add the step's gradients to ``.grad`` of the weights and of ``model_inputs``
         (the model inputs that require grad), as ``loss.backward()`` would."""
-        parameters = [p for stage in range(len(self.accumulated)) for p in self.pipeline.stage_parameters(stage)]
+        parameters = [self.pipeline.ties.owner(p) for stage in range(len(self.accumulated))
+                      for p in self.pipeline.stage_parameters(stage)]
         grads = self.parameter_grads() + self.model_input_grads(tuple(model_inputs))
         with torch.no_grad():
             for tensor, grad in zip(parameters + model_inputs, grads):

@@ -82,7 +82,7 @@ def test_long_chains_are_grouped():
 
 def test_html_loads_in_headless_chromium(tmp_path):
     browser = shutil.which("chromium") or shutil.which("chromium-browser")
-    assert browser, "headless Chromium is needed: apt-get install chromium (.ci/run does)"
+    assert browser, "headless Chromium is needed: the README's test command installs it (apt-get install chromium)"
     partition = xpipe.partition(transformer_lm(blocks=4), 2, sample_input=torch.zeros(2, 64, dtype=torch.long))
     render(partition, gpipe(2, 4), tmp_path / "plan.html")
     result = subprocess.run(

@@ -19,7 +19,7 @@ def make(model, stages: int, data: int):
     return pipe, torch.optim.AdamW(pipe.parameters(), lr=1e-2, weight_decay=0.1)
 
 
-def test_resume_on_2x4_then_load_into_1x8_and_the_plain_model(tmp_path):
+def test_resume_on_2x4_then_load_into_4x2_1x8_and_the_plain_model(tmp_path):
     model = tiny_lm()
     batch, targets = batch_for(model, 8)
     data = [(batch.roll(step, 0), targets.roll(step, 1)) for step in range(6)]
@@ -36,6 +36,12 @@ def test_resume_on_2x4_then_load_into_1x8_and_the_plain_model(tmp_path):
     torch.testing.assert_close(losses, expected, **EXACT)
     for key, value in uninterrupted.state_dict().items():
         torch.testing.assert_close(resumed.state_dict()[key].cpu(), value.cpu(), **EXACT, msg=key)
+
+    two_stages, two_stages_optimizer = make(tiny_lm(), 2, 4)  # 4 (data) x 2 (stage)
+    xpipe.load(tmp_path / "ckpt", two_stages, two_stages_optimizer)
+    loaded = two_stages.host_state_dict()
+    for key, value in saved.items():
+        assert torch.equal(loaded[key], value), key
 
     eight, eight_optimizer = make(tiny_lm(), 8, 1)
     plain = tiny_lm()

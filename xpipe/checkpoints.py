@@ -103,7 +103,7 @@ def load(path: str | os.PathLike, pipe: nn.Module,
     """
     path = Path(path)
     manifest = _checked_manifest(path)
-    expected = {key: value for key, value in pipe.state_dict().items()}
+    expected = pipe.state_dict()
     _check_matches(path, manifest, expected, optimizer is not None)
     tensors: dict[str, Any] = {"model": {key: torch.empty(value.shape, dtype=value.dtype)
                                          for key, value in expected.items()}}
@@ -144,12 +144,7 @@ def _host_state(module: nn.Module) -> dict[str, torch.Tensor]:
     """The model's state dict on the host."""
     if hasattr(module, "host_state_dict"):
         return module.host_state_dict()
-    return {key: _on_host(value) for key, value in module.state_dict().items()}
-
-
-def _on_host(tensor: torch.Tensor) -> torch.Tensor:
-    """A CPU copy of ``tensor`` that nothing else shares."""
-    return to_host(tensor)
+    return {key: to_host(value) for key, value in module.state_dict().items()}
 
 
 def _named_optimizer_state(pipe: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, list[dict]]:
@@ -168,7 +163,7 @@ def _named_optimizer_state(pipe: nn.Module, optimizer: torch.optim.Optimizer) ->
                 if not isinstance(value, torch.Tensor):
                     raise ValueError(f"optimizer: state {key!r} is a {type(value).__name__}; xpipe.save writes "
                                      "optimizers whose per-parameter state is tensors (SGD, Adam, AdamW, ...)")
-                host = _on_host(value)  # whole, then cut on the host: no device program per slice
+                host = to_host(value)  # whole, then cut on the host: no device program per slice
                 for name, part in _named_slices(pipe, parameter, host):
                     state.setdefault(name, {})[key] = part.clone()
         groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": names})

@@ -45,6 +45,7 @@ from torch.utils._pytree import TreeSpec, tree_flatten, tree_map, tree_unflatten
 
 from xpipe._batch import check_outputs
 from xpipe._batchnorm import RunningStatistics
+from xpipe._xla import to_host
 from xpipe.checkpoint import kept_cells
 from xpipe.devices.stages import StagedModel, StageProgram
 from xpipe.devices.ties import TiedCopies
@@ -149,7 +150,7 @@ class DevicesPipeline(nn.Module):
 
     def host_state(self, keys: list[str]) -> dict[str, torch.Tensor]:
         """``state_dict`` keys ``keys`` as CPU copies."""
-        return {key: self.state_tensor(key).detach().cpu() for key in keys}
+        return {key: to_host(self.state_tensor(key)) for key in keys}
 
     def named_slices(self, parameter: torch.Tensor, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
         """The wrapped module's parameter that ``parameter`` is, by name (its first, if

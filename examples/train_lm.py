@@ -119,6 +119,7 @@ def run(options: argparse.Namespace) -> dict[str, list]:
     tokens_per_step = options.chunks * rows * options.seq
     progress = tqdm(loader, total=options.steps, initial=first - 1, desc="train", unit="step", disable=options.quiet)
     started = time.perf_counter()
+    saving = None  # the checkpoint being written while training goes on
     for step, tokens in enumerate(progress, start=first):
         loss = pipe.step(tokens[..., :-1], tokens[..., 1:], microbatch_dim=0)
         optimizer.step()
@@ -133,7 +134,11 @@ def run(options: argparse.Namespace) -> dict[str, list]:
             history["valid_loss"].append(validation_loss(pipe, valid_text, options, rows))
             progress.write(f"step {step}: validation loss {history['valid_loss'][-1]:.4f}")
         if checkpoint is not None and (step % options.checkpoint_every == 0 or step == options.steps):
-            xpipe.save(checkpoint, pipe, optimizer, step=step, extra=history)
+            if saving is not None:
+                saving.result()  # a failed earlier save stops the run here, with its error
+            saving = xpipe.save(checkpoint, pipe, optimizer, step=step, extra=history, background=True)
+    if saving is not None:
+        saving.result()
     if options.plot:
         plot(history, options.plot)
     return history

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import weakref
 from collections.abc import Collection
+from typing import Any
 
 import torch
 from torch import nn
@@ -143,31 +144,50 @@ def _moved_in_place(parameter: nn.Parameter, device: torch.device) -> nn.Paramet
     return parameter
 
 
-def to_host(tensor: torch.Tensor) -> torch.Tensor:
-    """A CPU copy of ``tensor``, for checkpoints and state dicts.
+def to_host(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """CPU copies of ``tensors``, for checkpoints and state dicts, fetched together.
 
     A tensor sharded under SPMD is put together from its shards on this host:
     torch_xla's ``.cpu()`` compiles a small gathering program for every call (about
     4 ms each on the CPU emulation, uncached), which made a checkpoint of a few
-    dozen tensors five times slower than ``torch.save``. Where this host does not
-    hold every shard (a multi-host pod), ``.cpu()`` gathers them.
+    dozen tensors five times slower than ``torch.save``. All the tensors are synced
+    once and their shards fetched in one call. Where this host does not hold every
+    shard of a tensor (a multi-host pod), ``.cpu()`` gathers it.
     """
     import torch_xla
     import torch_xla.distributed.spmd as xs
 
-    if tensor.device.type != "xla":
-        return tensor.detach().to("cpu", copy=True)
-    sharded = xs.wrap_if_sharded(tensor.detach())
-    if not isinstance(sharded, xs.XLAShardedTensor):
-        return tensor.detach().cpu()
-    torch_xla._XLAC._xla_sync_multi([tensor], devices=[], wait=True)  # shards hold the current value
-    shards = sharded.local_shards
-    if any(shard.indices is Ellipsis for shard in shards):
-        return next(shard.data for shard in shards if shard.indices is Ellipsis).clone()
+    tensors = [tensor.detach() for tensor in tensors]
+    sharded = [tensor for tensor in tensors
+               if tensor.device.type == "xla" and isinstance(xs.wrap_if_sharded(tensor), xs.XLAShardedTensor)]
+    if sharded:
+        torch_xla._XLAC._xla_sync_multi(sharded, devices=[], wait=True)  # shards hold the current values
+    shards = dict(zip(map(id, sharded), _local_shards(sharded)))
+    return [_assembled(tensor, shards[id(tensor)]) if id(tensor) in shards else tensor.to("cpu", copy=True)
+            for tensor in tensors]
+
+
+def _local_shards(tensors: list[torch.Tensor]) -> list[list[tuple[torch.Tensor, Any]]]:
+    """Each tensor's shards on this host as (data, index into the whole tensor)."""
+    import torch_xla
+
+    if not tensors:
+        return []
+    data = torch_xla._XLAC._get_local_shards(tensors)
+    places = torch_xla._XLAC._get_local_shard_replica_and_indices(tensors)
+    return [[(shard, indices) for (shard, _), (_, indices) in zip(shard_data, shard_places)]
+            for shard_data, shard_places in zip(data, places)]
+
+
+def _assembled(tensor: torch.Tensor, shards: list[tuple[torch.Tensor, Any]]) -> torch.Tensor:
+    """``tensor`` on the host from its shards (padding dropped), or gathered by
+    ``.cpu()`` where the shards here do not cover it."""
     whole = torch.empty(tensor.shape, dtype=tensor.dtype)
     covered = torch.zeros(tensor.shape, dtype=torch.bool)
-    for shard in shards:
-        index = tuple(shard.indices)
-        whole[index] = shard.unpadded_data
+    for data, indices in shards:
+        if indices is Ellipsis:
+            return data.clone()
+        index = tuple(indices)
+        whole[index] = data[tuple(slice(0, part.stop - part.start) for part in indices)]
         covered[index] = True
-    return whole if bool(covered.all()) else tensor.detach().cpu()
+    return whole if bool(covered.all()) else tensor.cpu()

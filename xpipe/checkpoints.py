@@ -8,7 +8,7 @@ That is what lets a checkpoint load into any layout (other stage counts, meshes,
 the other executor) and into the plain model (:func:`load_plain`). Beside them:
 ``training.pt`` (the step, the caller's ``extra``, the optimizer's param groups
 by parameter name, the random-number states) and ``manifest.json`` (the layout
-it was saved from, every key's shape, every file's SHA-256).
+it was saved from, every key's shape, every file's CRC-32).
 
 Writes are atomic: everything goes to a temporary directory beside ``path``,
 which replaces ``path`` only when complete, so a save that fails leaves the
@@ -19,13 +19,16 @@ the shapes before it changes any state.
 from __future__ import annotations
 
 import contextlib
-import hashlib
+import functools
+import io
 import json
 import os
 import shutil
 import tempfile
 import warnings
+import zlib
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -42,7 +45,7 @@ TRAINING = "training.pt"
 
 
 def save(path: str | os.PathLike, pipe: nn.Module, optimizer: torch.optim.Optimizer | None = None,
-         step: int | None = None, extra: Any = None) -> None:
+         step: int | None = None, extra: Any = None, *, background: bool = False) -> Future | None:
     """Write ``pipe``'s model state (and ``optimizer``'s, the ``step``, ``extra`` and
     the random-number states) to the directory ``path``, replacing what is there
     only once the whole checkpoint is written.
@@ -54,16 +57,35 @@ def save(path: str | os.PathLike, pipe: nn.Module, optimizer: torch.optim.Optimi
         optimizer: an optimizer over ``pipe.parameters()``.
         step: the training step, returned by :func:`load`.
         extra: anything ``torch.save`` can write, returned by :func:`load`.
+        background: return as soon as the state is copied to the host, and write
+            the files in a background thread, so training goes on while they are
+            written. Saves are written one after another in the order they were
+            asked for; :func:`load` waits for them.
+
+    Returns:
+        With ``background=True``, a ``concurrent.futures.Future`` whose ``result()``
+        is ``None`` once the checkpoint is in place, or raises the error that
+        stopped the write (``path`` then still holds the previous checkpoint).
     """
     path = Path(path)
     if not path.parent.is_dir():
         raise FileNotFoundError(f"path: the directory {str(path.parent)!r} that should hold the checkpoint "
                                 "does not exist; create it first")
-    model = _host_state(pipe)
-    tensors: dict[str, Any] = {"model": model}
+    tensors: dict[str, Any] = {"model": _host_state(pipe)}
     training: dict[str, Any] = {"step": step, "extra": extra, "rng": _rng_states(pipe)}
     if optimizer is not None:
         tensors["optimizer"], training["param_groups"] = _named_optimizer_state(pipe, optimizer)
+    training_bytes = io.BytesIO()
+    torch.save(training, training_bytes)  # now: a later change to `extra` is not saved
+    layout = {"format": FORMAT, "xpipe": _version(), "layout": _layout(pipe), "optimizer": optimizer is not None}
+    if background:
+        return _background_writer().submit(_write, path, tensors, training_bytes.getvalue(), layout)
+    _write(path, tensors, training_bytes.getvalue(), layout)
+    return None
+
+
+def _write(path: Path, tensors: dict[str, Any], training: bytes, layout: dict[str, Any]) -> None:
+    """The checkpoint's files, from state already on the host, put in place at ``path``."""
     staging = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".saving", dir=path.parent))
     try:
         with _quiet_single_process():
@@ -71,21 +93,30 @@ def save(path: str | os.PathLike, pipe: nn.Module, optimizer: torch.optim.Optimi
             # streams, and torch_xla's SPMD mode registers a device module that has none.
             writer = dcp.FileSystemWriter(staging, per_thread_copy_ahead=0)
             dcp.save(tensors, storage_writer=writer, no_dist=_single_process())
-        torch.save(training, staging / TRAINING)
+        (staging / TRAINING).write_bytes(training)
         manifest = {
-            "format": FORMAT,
-            "xpipe": _version(),
-            "layout": _layout(pipe),
-            "optimizer": optimizer is not None,
+            **layout,
             "dtypes": {f"{part}/{key}": str(value.dtype).removeprefix("torch.")
                        for part, key, value in _flat_tensors(tensors)},
             "shapes": {f"{part}/{key}": list(value.shape) for part, key, value in _flat_tensors(tensors)},
-            "files": {name: _sha256(staging / name) for name in sorted(os.listdir(staging))},
+            "files": {name: _checksum(staging / name) for name in sorted(os.listdir(staging))},
         }
         (staging / MANIFEST).write_text(json.dumps(manifest, indent=1))
         _replace(path, staging)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+
+
+@functools.cache
+def _background_writer() -> ThreadPoolExecutor:
+    """The one thread that writes background saves, in the order they were asked for."""
+    return ThreadPoolExecutor(max_workers=1, thread_name_prefix="xpipe-save")
+
+
+def _wait_for_background_saves() -> None:
+    """Return once every background save asked for so far has finished."""
+    if _background_writer.cache_info().currsize:
+        _background_writer().submit(lambda: None).result()
 
 
 def load(path: str | os.PathLike, pipe: nn.Module,
@@ -102,6 +133,7 @@ def load(path: str | os.PathLike, pipe: nn.Module,
             when ``optimizer`` is given; nothing is changed then.
     """
     path = Path(path)
+    _wait_for_background_saves()
     manifest = _checked_manifest(path)
     expected = pipe.state_dict()
     _check_matches(path, manifest, expected, optimizer is not None)
@@ -144,29 +176,32 @@ def _host_state(module: nn.Module) -> dict[str, torch.Tensor]:
     """The model's state dict on the host."""
     if hasattr(module, "host_state_dict"):
         return module.host_state_dict()
-    return {key: to_host(value) for key, value in module.state_dict().items()}
+    state = module.state_dict()
+    return dict(zip(state, to_host(list(state.values()))))
 
 
 def _named_optimizer_state(pipe: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, list[dict]]:
     """The optimizer's per-parameter state under the wrapped module's names, and its
     param groups with parameters listed by name."""
-    state: dict[str, dict[str, torch.Tensor]] = {}
+    pending = []  # (parameter, state key, tensor on the device)
     groups = []
     for group in optimizer.param_groups:
         names = []
         for parameter in group["params"]:
-            slices = _named_slices(pipe, parameter)
-            names += [name for name, _ in slices]
+            names += [name for name, _ in _named_slices(pipe, parameter)]
             for key, value in optimizer.state.get(parameter, {}).items():
                 if value is None:  # SGD without momentum keeps momentum_buffer=None
                     continue
                 if not isinstance(value, torch.Tensor):
                     raise ValueError(f"optimizer: state {key!r} is a {type(value).__name__}; xpipe.save writes "
                                      "optimizers whose per-parameter state is tensors (SGD, Adam, AdamW, ...)")
-                host = to_host(value)  # whole, then cut on the host: no device program per slice
-                for name, part in _named_slices(pipe, parameter, host):
-                    state.setdefault(name, {})[key] = part.clone()
+                pending.append((parameter, key, value))
         groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": names})
+    state: dict[str, dict[str, torch.Tensor]] = {}
+    hosts = to_host([value for _, _, value in pending])  # whole, then cut on the host: no program per slice
+    for (parameter, key, _), host in zip(pending, hosts):
+        for name, part in _named_slices(pipe, parameter, host):
+            state.setdefault(name, {})[key] = part.clone()
     return state, groups
 
 
@@ -229,12 +264,14 @@ def _flat_tensors(tensors: dict[str, Any]) -> list[tuple[str, str, torch.Tensor]
     return flat
 
 
-def _sha256(file: Path) -> str:
-    digest = hashlib.sha256()
+def _checksum(file: Path) -> str:
+    """The file's CRC-32 (as zip files keep one per member): it changes with any
+    truncation or flipped byte, and costs less than half a SHA-256."""
+    crc = 0
     with open(file, "rb") as stream:
-        for block in iter(lambda: stream.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
+        for block in iter(lambda: stream.read(1 << 22), b""):
+            crc = zlib.crc32(block, crc)
+    return f"{crc:08x}"
 
 
 def _replace(path: Path, staging: Path) -> None:
@@ -263,8 +300,8 @@ def _checked_manifest(path: Path) -> dict[str, Any]:
         file = path / name
         if not file.is_file():
             raise ValueError(f"checkpoint: {str(file)!r} is missing")
-        if _sha256(file) != digest:
-            raise ValueError(f"checkpoint: {str(file)!r} is truncated or corrupted (its SHA-256 differs from "
+        if _checksum(file) != digest:
+            raise ValueError(f"checkpoint: {str(file)!r} is truncated or corrupted (its CRC-32 differs from "
                              "the one written at save time)")
     return manifest
 

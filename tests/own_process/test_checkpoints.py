@@ -2,15 +2,11 @@
 plain model, and refuse damaged or foreign checkpoints before changing anything.
 
 The devices executor in this (non-SPMD) process; a checkpoint written by the spmd
-executor comes from a subprocess. Exact: weights after load equal bit for bit;
+executor, and the first half of a resumed run, come from subprocesses. Exact: weights after load equal bit for bit;
 resumed losses and weights within 1e-6 relative of the uninterrupted run.
 """
 
 import copy
-import os
-import subprocess
-import sys
-import textwrap
 from pathlib import Path
 
 import pytest
@@ -21,6 +17,7 @@ import torch_xla
 import xpipe
 from xpipe import checkpoints
 from equivalence import step_losses
+from fresh_process import call_in_fresh_process
 from xpipe.models import mlp_stack, resnet_like, small_cnn
 
 EXACT = dict(rtol=1e-6, atol=0)
@@ -37,21 +34,59 @@ def make(model: torch.nn.Module, stages: int = 2, **options) -> tuple[xpipe.Pipe
     return pipe, torch.optim.AdamW(pipe.parameters(), lr=1e-3, weight_decay=0.1)
 
 
-def test_resume_equals_the_uninterrupted_run(tmp_path):
+def test_resume_in_a_fresh_process_equals_the_uninterrupted_run(tmp_path):
+    """6 steps and a save in one process; load and 6 more steps in this one."""
     data = batches(12)
     model = resnet_like()
+    torch.save({"model": model, "data": data}, tmp_path / "start.pt")
     uninterrupted, optimizer = make(copy.deepcopy(model))
     expected = step_losses(uninterrupted, optimizer, data)
 
-    first, optimizer = make(copy.deepcopy(model))
-    losses = step_losses(first, optimizer, data[:6])
-    xpipe.save(tmp_path / "ckpt", first, optimizer, step=6, extra={"data": "position 6"})
+    call_in_fresh_process(__file__, "train_six_steps_and_save", str(tmp_path))
     resumed, optimizer = make(resnet_like())  # fresh weights and optimizer
     assert xpipe.load(tmp_path / "ckpt", resumed, optimizer) == (6, {"data": "position 6"})
-    losses += step_losses(resumed, optimizer, data[6:])
+    losses = torch.load(tmp_path / "losses.pt") + step_losses(resumed, optimizer, data[6:])
     torch.testing.assert_close(losses, expected, **EXACT)
     for key, value in uninterrupted.state_dict().items():
         torch.testing.assert_close(resumed.state_dict()[key].cpu(), value.cpu(), **EXACT, msg=key)
+
+
+def train_six_steps_and_save(folder: str) -> None:
+    """The first half of the resumed run, called in its own process."""
+    start = torch.load(Path(folder) / "start.pt", weights_only=False)
+    pipe, optimizer = make(start["model"])
+    torch.save(step_losses(pipe, optimizer, start["data"][:6]), Path(folder) / "losses.pt")
+    xpipe.save(Path(folder) / "ckpt", pipe, optimizer, step=6, extra={"data": "position 6"})
+
+
+def test_a_background_save_holds_the_state_it_was_asked_for(tmp_path, monkeypatch):
+    pipe, optimizer = make(small_cnn())
+    data = batches(2)
+    step_losses(pipe, optimizer, data[:1])
+    saved = {key: value.cpu().clone() for key, value in pipe.state_dict().items()}
+    extra = {"note": "asked for"}
+    pending = xpipe.save(tmp_path / "ckpt", pipe, optimizer, step=1, extra=extra, background=True)
+    extra["note"] = "changed after"
+    step_losses(pipe, optimizer, data[1:])  # the weights change while the files are written
+    assert pending.result() is None
+    fresh, fresh_optimizer = make(small_cnn())
+    assert xpipe.load(tmp_path / "ckpt", fresh, fresh_optimizer) == (1, {"note": "asked for"})
+    for key, value in saved.items():
+        assert torch.equal(fresh.state_dict()[key].cpu(), value), key
+
+    xpipe.save(tmp_path / "ckpt", pipe, optimizer, step=2, background=True)
+    assert xpipe.load(tmp_path / "ckpt", fresh, fresh_optimizer) == (2, None), "load waits for pending saves"
+
+    def fails_midway(*args, **kwargs):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(checkpoints.dcp, "save", fails_midway)
+    pending = xpipe.save(tmp_path / "ckpt", pipe, optimizer, step=3, background=True)
+    with pytest.raises(OSError, match="disk full"):
+        pending.result()
+    monkeypatch.undo()
+    assert [p.name for p in tmp_path.iterdir()] == ["ckpt"], "a failed save leaves no partial directory behind"
+    assert xpipe.load(tmp_path / "ckpt", fresh, fresh_optimizer) == (2, None), "the previous checkpoint stays"
 
 
 def test_another_stage_count_and_the_plain_model_load_it(tmp_path):
@@ -129,20 +164,7 @@ def test_damaged_or_foreign_checkpoints_are_refused_and_change_nothing(tmp_path,
 def test_a_checkpoint_from_the_spmd_executor_loads_here(tmp_path):
     """Saved by an spmd Pipe on a 2 (data) x 4 (stage) mesh with AdamW state on its
     stacked weights; loaded into the devices executor on 4 devices."""
-    script = textwrap.dedent(f"""
-        import torch, torch_xla, xpipe
-        from xpipe.models import mlp_stack
-        torch.manual_seed(0)
-        pipe = xpipe.Pipe(mlp_stack(blocks=8, width=16, inputs=8, outputs=4), chunks=4, mesh=xpipe.make_mesh(4, 2))
-        optimizer = torch.optim.AdamW(pipe.parameters(), lr=1e-2)
-        pipe(torch.randn(8, 8)).pow(2).mean().backward()
-        optimizer.step()
-        torch_xla.sync()
-        xpipe.save({str(tmp_path / "spmd")!r}, pipe, optimizer, step=1)
-        torch.save({{k: v.cpu() for k, v in pipe.state_dict().items()}}, {str(tmp_path / "weights.pt")!r})
-    """)
-    environment = dict(os.environ, PJRT_DEVICE="CPU", CPU_NUM_DEVICES="8")
-    subprocess.run([sys.executable, "-c", script], check=True, env=environment, timeout=600)
+    call_in_fresh_process(__file__, "save_from_spmd", str(tmp_path))
     weights = torch.load(tmp_path / "weights.pt")
     pipe = xpipe.Pipe(mlp_stack(blocks=8, width=16, inputs=8, outputs=4), chunks=4, stages=4, executor="devices")
     assert xpipe.load(tmp_path / "spmd", pipe) == (1, None)
@@ -154,6 +176,19 @@ def test_a_checkpoint_from_the_spmd_executor_loads_here(tmp_path):
     for name in ("1.up.weight", "5.down.weight", "9.weight"):  # blocks on stages 0 and 2, then the head
         state = optimizer.state[plain.get_parameter(name)]
         assert state["exp_avg"].abs().sum() > 0 and state["step"] == 1, f"{name}'s AdamW state arrives unstacked"
+
+
+def save_from_spmd(folder: str) -> None:
+    """An spmd Pipe's checkpoint after one AdamW step, written in its own process
+    (SPMD mode is process-global), with its weights beside it for comparison."""
+    torch.manual_seed(0)
+    pipe = xpipe.Pipe(mlp_stack(blocks=8, width=16, inputs=8, outputs=4), chunks=4, mesh=xpipe.make_mesh(4, 2))
+    optimizer = torch.optim.AdamW(pipe.parameters(), lr=1e-2)
+    pipe(torch.randn(8, 8)).pow(2).mean().backward()
+    optimizer.step()
+    torch_xla.sync()
+    xpipe.save(Path(folder) / "spmd", pipe, optimizer, step=1)
+    torch.save(pipe.host_state_dict(), Path(folder) / "weights.pt")
 
 
 def _copy(source: Path, destination: Path) -> None:

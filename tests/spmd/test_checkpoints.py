@@ -2,6 +2,7 @@
 exactly, and loads into another mesh and into the plain model."""
 
 import copy
+from pathlib import Path
 
 import torch
 import torch_xla
@@ -9,6 +10,7 @@ import torch_xla
 import xpipe
 from xpipe import checkpoints
 from equivalence import step_losses
+from fresh_process import call_in_fresh_process
 from pipe_checks import batch_for, loss_of, tiny_lm
 
 EXACT = dict(rtol=1e-6, atol=0)
@@ -20,19 +22,19 @@ def make(model, stages: int, data: int):
 
 
 def test_resume_on_2x4_then_load_into_4x2_1x8_and_the_plain_model(tmp_path):
+    """6 AdamW steps and a save in one process; load and 6 more steps in this one."""
     model = tiny_lm()
     batch, targets = batch_for(model, 8)
-    data = [(batch.roll(step, 0), targets.roll(step, 1)) for step in range(6)]
+    data = [(batch.roll(step, 0), targets.roll(step, 1)) for step in range(12)]
+    torch.save({"model": model, "data": data}, tmp_path / "start.pt")
     uninterrupted, optimizer = make(copy.deepcopy(model), 4, 2)
     expected = step_losses(uninterrupted, optimizer, data)
 
-    first, optimizer = make(copy.deepcopy(model), 4, 2)
-    losses = step_losses(first, optimizer, data[:3])
-    xpipe.save(tmp_path / "ckpt", first, optimizer, step=3)
-    saved = {key: value.cpu() for key, value in first.state_dict().items()}
+    call_in_fresh_process(__file__, "train_six_steps_and_save", str(tmp_path))
+    saved = torch.load(tmp_path / "weights.pt")
     resumed, optimizer = make(tiny_lm(), 4, 2)
-    assert xpipe.load(tmp_path / "ckpt", resumed, optimizer) == (3, None)
-    losses += step_losses(resumed, optimizer, data[3:])
+    assert xpipe.load(tmp_path / "ckpt", resumed, optimizer) == (6, None)
+    losses = torch.load(tmp_path / "losses.pt") + step_losses(resumed, optimizer, data[6:])
     torch.testing.assert_close(losses, expected, **EXACT)
     for key, value in uninterrupted.state_dict().items():
         torch.testing.assert_close(resumed.state_dict()[key].cpu(), value.cpu(), **EXACT, msg=key)
@@ -54,7 +56,7 @@ def test_resume_on_2x4_then_load_into_4x2_1x8_and_the_plain_model(tmp_path):
     # The next step, after one AdamW update from the loaded state: the same loss.
     # (Weights are not compared after it: Adam's update of a numerically-zero
     # gradient, m / sqrt(v), is decided by rounding.)
-    for step in (3, 4):
+    for step in (6, 7):
         batch, targets = data[step]
         expected_loss = loss_of(plain(batch), targets)
         expected_loss.backward()
@@ -65,6 +67,16 @@ def test_resume_on_2x4_then_load_into_4x2_1x8_and_the_plain_model(tmp_path):
         eight_optimizer.zero_grad()
         torch_xla.sync()
         torch.testing.assert_close(loss.cpu(), expected_loss.detach(), rtol=1e-5, atol=0)
+
+
+def train_six_steps_and_save(folder: str) -> None:
+    """The first half of the resumed run, called in its own process; the weights it
+    saved are written beside the checkpoint for comparison."""
+    start = torch.load(Path(folder) / "start.pt", weights_only=False)
+    pipe, optimizer = make(start["model"], 4, 2)
+    torch.save(step_losses(pipe, optimizer, start["data"][:6]), Path(folder) / "losses.pt")
+    xpipe.save(Path(folder) / "ckpt", pipe, optimizer, step=6)
+    torch.save(pipe.host_state_dict(), Path(folder) / "weights.pt")
 
 
 def test_host_state_dict_is_put_together_from_the_shards():

@@ -150,7 +150,7 @@ class DevicesPipeline(nn.Module):
 
     def host_state(self, keys: list[str]) -> dict[str, torch.Tensor]:
         """``state_dict`` keys ``keys`` as CPU copies."""
-        return {key: to_host(self.state_tensor(key)) for key in keys}
+        return dict(zip(keys, to_host([self.state_tensor(key) for key in keys])))
 
     def named_slices(self, parameter: torch.Tensor, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
         """The wrapped module's parameter that ``parameter`` is, by name (its first, if

@@ -101,18 +101,16 @@ class SpmdPipeline(nn.Module):
     def host_state(self, keys: list[str]) -> dict[str, torch.Tensor]:
         """``state_dict`` keys ``keys`` as CPU copies; each stacked tensor is fetched
         once, from its shards, and cut on the host (see :func:`xpipe._xla.to_host`)."""
-        fetched: dict[int, torch.Tensor] = {}
-        state = {}
+        places = {}
         for key in keys:
             source = self._sources[key]
-            if isinstance(source, tuple):
-                holder, place, shape = self.body.block_place(*source)
-                if id(holder) not in fetched:
-                    fetched[id(holder)] = to_host(holder)
-                state[key] = fetched[id(holder)][place].view(shape).clone()
-            else:
-                state[key] = to_host(self.state_tensor(key))
-        return state
+            places[key] = self.body.block_place(*source) if isinstance(source, tuple) else None
+        holders = {id(place[0]): place[0] for place in places.values() if place is not None}
+        singles = [key for key, place in places.items() if place is None]
+        fetched = to_host(list(holders.values()) + [self.state_tensor(key) for key in singles])
+        whole = dict(zip(list(holders) + singles, fetched))
+        return {key: whole[key] if place is None else whole[id(place[0])][place[1]].view(place[2]).clone()
+                for key, place in places.items()}
 
     def named_slices(self, parameter: torch.Tensor, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
         """The wrapped module's trainable parameters that ``parameter`` (one of

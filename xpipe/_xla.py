@@ -168,14 +168,15 @@ def to_host(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
 
 
 def _local_shards(tensors: list[torch.Tensor]) -> list[list[tuple[torch.Tensor, Any]]]:
-    """Each tensor's shards on this host as (data, index into the whole tensor)."""
+    """Each tensor's shards on this host as (data, index into the whole tensor);
+    of shards that are copies of one another (replicas), the first only."""
     import torch_xla
 
     if not tensors:
         return []
     data = torch_xla._XLAC._get_local_shards(tensors)
     places = torch_xla._XLAC._get_local_shard_replica_and_indices(tensors)
-    return [[(shard, indices) for (shard, _), (_, indices) in zip(shard_data, shard_places)]
+    return [[(shard, indices) for (shard, _), (replica, indices) in zip(shard_data, shard_places) if replica == 0]
             for shard_data, shard_places in zip(data, places)]
 
 

@@ -91,7 +91,8 @@ def _write(path: Path, tensors: dict[str, Any], training: bytes, layout: dict[st
         with _quiet_single_process():
             # Tensors are already on the host. Copying ahead would look for an accelerator's
             # streams, and torch_xla's SPMD mode registers a device module that has none.
-            writer = dcp.FileSystemWriter(staging, per_thread_copy_ahead=0)
+            # Two writer threads: 0.052 -> 0.045 s for the 8-block LM on two cores.
+            writer = dcp.FileSystemWriter(staging, per_thread_copy_ahead=0, thread_count=2)
             dcp.save(tensors, storage_writer=writer, no_dist=_single_process())
         (staging / TRAINING).write_bytes(training)
         manifest = {

@@ -163,11 +163,14 @@ def test_damaged_or_foreign_checkpoints_are_refused_and_change_nothing(tmp_path,
 
 def test_a_checkpoint_from_the_spmd_executor_loads_here(tmp_path):
     """Saved by an spmd Pipe on a 2 (data) x 4 (stage) mesh with AdamW state on its
-    stacked weights; loaded into the devices executor on 4 devices."""
+    stacked weights; loaded into the devices executor on 4 devices, whose next
+    steps equal the plain model's loaded from the same checkpoint."""
     call_in_fresh_process(__file__, "save_from_spmd", str(tmp_path))
     weights = torch.load(tmp_path / "weights.pt")
-    pipe = xpipe.Pipe(mlp_stack(blocks=8, width=16, inputs=8, outputs=4), chunks=4, stages=4, executor="devices")
-    assert xpipe.load(tmp_path / "spmd", pipe) == (1, None)
+    pipe = xpipe.Pipe(mlp_stack(blocks=8, width=16, inputs=8, outputs=4), chunks=4, stages=4, executor="devices",
+                      loss_fn=F.mse_loss)
+    pipe_optimizer = torch.optim.AdamW(pipe.parameters(), lr=1e-2)
+    assert xpipe.load(tmp_path / "spmd", pipe, pipe_optimizer) == (1, None)
     for key, value in weights.items():
         assert torch.equal(pipe.state_dict()[key].cpu(), value), key
     plain = mlp_stack(blocks=8, width=16, inputs=8, outputs=4)
@@ -176,6 +179,18 @@ def test_a_checkpoint_from_the_spmd_executor_loads_here(tmp_path):
     for name in ("1.up.weight", "5.down.weight", "9.weight"):  # blocks on stages 0 and 2, then the head
         state = optimizer.state[plain.get_parameter(name)]
         assert state["exp_avg"].abs().sum() > 0 and state["step"] == 1, f"{name}'s AdamW state arrives unstacked"
+    generator = torch.Generator().manual_seed(1)
+    for _ in range(2):  # the next steps from the loaded AdamW state: the plain model's losses
+        batch, target = torch.randn(8, 8, generator=generator), torch.randn(8, 4, generator=generator)
+        expected = F.mse_loss(plain(batch), target)
+        expected.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        loss = pipe.step(batch, target)
+        pipe_optimizer.step()
+        pipe_optimizer.zero_grad()
+        torch_xla.sync()
+        torch.testing.assert_close(loss.cpu(), expected.detach(), rtol=1e-5, atol=0)
 
 
 def save_from_spmd(folder: str) -> None:

@@ -16,8 +16,8 @@ from pipe_checks import batch_for, loss_of, tiny_lm
 EXACT = dict(rtol=1e-6, atol=0)
 
 
-def make(model, stages: int, data: int):
-    pipe = xpipe.Pipe(model, chunks=4, mesh=xpipe.make_mesh(stages, data), loss_fn=loss_of)
+def make(model, stages: int, data: int, chunks: int = 4):
+    pipe = xpipe.Pipe(model, chunks=chunks, mesh=xpipe.make_mesh(stages, data), loss_fn=loss_of)
     return pipe, torch.optim.AdamW(pipe.parameters(), lr=1e-2, weight_decay=0.1)
 
 
@@ -39,7 +39,7 @@ def test_resume_on_2x4_then_load_into_4x2_1x8_and_the_plain_model(tmp_path):
     for key, value in uninterrupted.state_dict().items():
         torch.testing.assert_close(resumed.state_dict()[key].cpu(), value.cpu(), **EXACT, msg=key)
 
-    two_stages, two_stages_optimizer = make(tiny_lm(), 2, 4)  # 4 (data) x 2 (stage)
+    two_stages, two_stages_optimizer = make(tiny_lm(), 2, 4, chunks=2)  # 4 (data) x 2 (stage); 8 rows
     xpipe.load(tmp_path / "ckpt", two_stages, two_stages_optimizer)
     loaded = two_stages.host_state_dict()
     for key, value in saved.items():
@@ -53,20 +53,22 @@ def test_resume_on_2x4_then_load_into_4x2_1x8_and_the_plain_model(tmp_path):
     for key, value in saved.items():
         assert torch.equal(eight.state_dict()[key].cpu(), value), key
         assert torch.equal(plain.state_dict()[key], value), key
-    # The next step, after one AdamW update from the loaded state: the same loss.
-    # (Weights are not compared after it: Adam's update of a numerically-zero
-    # gradient, m / sqrt(v), is decided by rounding.)
+    # The next steps, each after an AdamW update from the loaded state: the same
+    # losses. (Weights are not compared after them: Adam's update of a
+    # numerically-zero gradient, m / sqrt(v), is decided by rounding.)
     for step in (6, 7):
         batch, targets = data[step]
         expected_loss = loss_of(plain(batch), targets)
         expected_loss.backward()
         plain_optimizer.step()
         plain_optimizer.zero_grad()
-        loss = eight.step(batch, targets)
-        eight_optimizer.step()
-        eight_optimizer.zero_grad()
-        torch_xla.sync()
-        torch.testing.assert_close(loss.cpu(), expected_loss.detach(), rtol=1e-5, atol=0)
+        for pipe, optimizer in ((two_stages, two_stages_optimizer), (eight, eight_optimizer)):
+            loss = pipe.step(batch, targets)
+            optimizer.step()
+            optimizer.zero_grad()
+            torch_xla.sync()
+            torch.testing.assert_close(loss.cpu(), expected_loss.detach(), rtol=1e-5, atol=0,
+                                       msg=f"{pipe.mesh.mesh_shape} after step {step}")
 
 
 def train_six_steps_and_save(folder: str) -> None:

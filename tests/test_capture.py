@@ -10,29 +10,12 @@ import pytest
 import torch
 import torchvision
 from torch import nn
-from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
 import xpipe
 from xpipe.capture import opened_modules, trace_layers
 from xpipe.viz import render, render_text
 from xpipe.schedule import gpipe
-
-
-def llama(layers: int = 4) -> LlamaForCausalLM:
-    torch.manual_seed(0)
-    return LlamaForCausalLM(LlamaConfig(
-        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=layers, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=True, use_cache=False))
-
-
-def gpt2() -> GPT2LMHeadModel:
-    torch.manual_seed(0)
-    return GPT2LMHeadModel(GPT2Config(vocab_size=128, n_positions=32, n_embd=32, n_layer=4, n_head=4,
-                                      bos_token_id=0, eos_token_id=0, use_cache=False))
-
-
-def tokens(rows: int = 2, seq: int = 8) -> torch.Tensor:
-    return torch.randint(0, 128, (rows, seq), generator=torch.Generator().manual_seed(0))
+from hf_models import gpt2, llama, tokens
 
 
 def test_a_hugging_face_llama_is_captured_with_its_own_layer_names():

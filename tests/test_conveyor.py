@@ -61,7 +61,7 @@ def test_layout_pads_chunks_to_fill_every_stage():
 
 @pytest.mark.parametrize("batch, chunks, rows, padded", [(10, 4, 2, 16), (12, 4, 2, 16), (3, 4, 1, 8)])
 def test_layout_pads_a_batch_that_does_not_split(batch, chunks, rows, padded):
-    """A ragged last batch runs: rows per replica rounded up, zero rows added for the body only."""
+    """A ragged last batch runs: rows per replica rounded up, rows added for the body only."""
     layout = make_layout(batch, chunks, 4, 2)
     assert (layout.rows, layout.padded_batch) == (rows, padded)
 
@@ -75,5 +75,5 @@ def test_slots_round_trip(microbatched, batch, chunks):
     x = torch.arange(batch * 3.0).view(batch, 3)
     flat = to_slots(x, layout, microbatched)
     assert flat.shape == (layout.padded_batch, 3)
-    assert flat.abs().sum() == x.abs().sum(), "padding rows are zeros"
+    assert set(map(tuple, flat.tolist())) == set(map(tuple, x.tolist())), "padding rows are copies of real rows"
     torch.testing.assert_close(from_slots(flat, layout, microbatched), x)

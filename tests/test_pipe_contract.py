@@ -24,7 +24,7 @@ from torch import nn
 
 import xpipe
 from equivalence import ATOL, RTOL, assert_pipe_matches
-from xpipe.models import mlp_stack, small_cnn
+from xpipe.models import mlp_stack, small_cnn, transformer_lm
 
 
 def batch(rows: int, features: int = 8, seed: int = 0) -> torch.Tensor:
@@ -199,6 +199,13 @@ def test_a_bad_stage_count_under_auto_leaves_the_process_as_it_was():
     assert not xr.is_spmd()
     pipe = xpipe.Pipe(small_cnn(), chunks=2, stages=2, executor="devices")  # a valid one still runs
     assert pipe(torch.zeros(4, 3, 32, 32)).shape == (4, 10)
+
+
+def test_auto_picks_devices_where_xla_devices_were_used_outside_spmd():
+    """This process already ran XLA work without SPMD, so it can no longer switch: an
+    LM, which a fresh process would run under spmd, gets the devices executor."""
+    assert xpipe.Pipe(transformer_lm(blocks=4, width=16), chunks=2, stages=4).executor == "devices"
+    assert not xr.is_spmd()
 
 
 def run_fresh(code: str) -> subprocess.CompletedProcess:

@@ -17,50 +17,31 @@ import torch.nn.functional as F
 import torch_xla
 import torchvision
 from equivalence import ATOL, RTOL, assert_pipe_matches
-from test_capture import gpt2, llama, tokens
+from hf_models import assert_gradients_match, assert_llama_step_matches, gpt2, llama, padding_mask, tokens
 
 import xpipe
-
-
-def assert_gradients_match(pipe: xpipe.Pipe, reference: torch.nn.Module) -> None:
-    gradients = pipe.named_gradients()
-    for name, parameter in reference.named_parameters():
-        assert gradients[name] is not None, f"{name} got no gradient"
-        torch.testing.assert_close(gradients[name].cpu(), parameter.grad, rtol=RTOL, atol=ATOL,
-                                   msg=lambda m, name=name: f"gradient of {name}: {m}")
 
 
 @pytest.mark.parametrize("checkpoint", ["except_last", "never"])
 def test_llama_with_a_padding_mask_on_four_devices(checkpoint):
     model = llama()
     reference = copy.deepcopy(model)
-    ids = tokens(8, 8)
-    mask = torch.ones(8, 8, dtype=torch.long)
-    mask[0, :3] = 0
-    pipe = xpipe.Pipe(model, chunks=4, stages=4, checkpoint=checkpoint,
+    ids, mask = tokens(8, 8), padding_mask(8)
+    pipe = xpipe.Pipe(model, chunks=4, stages=4, checkpoint=checkpoint, executor="devices",
                       sample_input={"input_ids": ids[:2], "attention_mask": mask[:2]})
     assert pipe.executor == "devices"
     assert pipe.partition.stages[0][0] == "model.embed_tokens" and pipe.partition.stages[-1][-1] == "lm_head"
-    output = pipe(input_ids=ids, attention_mask=mask)
-    assert type(output).__name__ == "CausalLMOutputWithPast"
-    output.logits.square().mean().backward()
-    torch_xla.sync()
-    expected = reference(input_ids=ids, attention_mask=mask).logits
-    expected.square().mean().backward()
-    torch.testing.assert_close(output.logits.cpu(), expected.detach(), rtol=RTOL, atol=ATOL)
-    assert_gradients_match(pipe, reference)
+    assert_llama_step_matches(pipe, reference, ids, mask)
     assert model.lm_head.weight is model.model.embed_tokens.weight, "the model's tie stays a tie"
     assert model.lm_head.weight.device == pipe.devices[0], "the model holds the weights that train"
 
 
 def test_gpt2_with_labels_returns_the_models_own_loss():
-    model = gpt2()
-    for name in ("resid_pdrop", "embd_pdrop", "attn_pdrop"):
-        setattr(model.config, name, 0.0)
-    model = type(model)(model.config)  # rebuilt without dropout, so both runs draw nothing
+    model = gpt2(dropout=0.0)  # so both runs draw nothing
     reference = copy.deepcopy(model)
     ids = tokens(8, 8)
-    pipe = xpipe.Pipe(model, chunks=4, stages=4, sample_input={"input_ids": ids[:2], "labels": ids[:2]})
+    pipe = xpipe.Pipe(model, chunks=4, stages=4, executor="devices",
+                      sample_input={"input_ids": ids[:2], "labels": ids[:2]})
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)  # the model's own, after wrapping
     output = pipe(input_ids=ids, labels=ids)
     output.loss.backward()
@@ -76,7 +57,7 @@ def test_gpt2_with_labels_returns_the_models_own_loss():
 
 
 def test_a_captured_model_refuses_the_mode_it_was_not_captured_in():
-    pipe = xpipe.Pipe(gpt2(), chunks=2, stages=2, sample_input={"input_ids": tokens(2, 8)})
+    pipe = xpipe.Pipe(gpt2(), chunks=2, stages=2, executor="devices", sample_input={"input_ids": tokens(2, 8)})
     pipe.eval()
     with pytest.raises(RuntimeError, match="pipe: the model was captured by torch.export in train mode"):
         pipe(input_ids=tokens(4, 8))
@@ -87,7 +68,7 @@ def test_an_optimizer_built_before_capture_refuses_to_step():
     objects; an optimizer built on the old ones must not step them in silence."""
     model = llama(layers=2)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    pipe = xpipe.Pipe(model, chunks=2, stages=2, sample_input={"input_ids": tokens(2, 8)})
+    pipe = xpipe.Pipe(model, chunks=2, stages=2, executor="devices", sample_input={"input_ids": tokens(2, 8)})
     pipe(input_ids=tokens(4, 8)).logits.sum().backward()
     with pytest.raises(RuntimeError, match=r"optimizer: this SGD holds parameters .*pipe.parameters\(\)"):
         optimizer.step()
@@ -148,7 +129,8 @@ def test_vit_on_four_devices():
 
 
 def test_a_one_row_sample_still_fits_every_microbatch_size_and_other_shapes_are_named():
-    pipe = xpipe.Pipe(llama(layers=2), chunks=4, stages=2, sample_input={"input_ids": tokens(1, 8)})
+    pipe = xpipe.Pipe(llama(layers=2), chunks=4, stages=2, executor="devices",
+                      sample_input={"input_ids": tokens(1, 8)})
     assert pipe(input_ids=tokens(8, 8)).logits.shape == (8, 8, 128)  # microbatches of 2 rows
     with pytest.raises(ValueError, match="x: the model was captured by torch.export on sample_input, and this "
                                          "microbatch does not fit that graph"):

@@ -1,4 +1,5 @@
-"""Pure pieces on the CPU: shift, recompute, the LayerNorm rewrite, the HLO parser and its dump folder."""
+"""Pure pieces on the CPU: shift, recompute, the LayerNorm rewrite, hashed attention dropout, side-input
+packing, the HLO parser and its dump folder."""
 
 import subprocess
 import sys
@@ -12,7 +13,9 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from xpipe.checkpoint import check_mode, recompute
 from xpipe.collectives import shift
 from xpipe.inspect import collectives
+from xpipe.spmd.dropout import hashed_dropout
 from xpipe.spmd.lowering import ShardableOps, layer_norm
+from xpipe.spmd.sides import packing_for
 
 
 def test_shift_moves_slices_and_its_gradient_moves_them_back():
@@ -67,6 +70,38 @@ ENTRY %main () -> f32[] {
   %ag = bf16[16]{0} all-gather-start(%h), replica_groups=[2,2]<=[2,2]T(1,0), dimensions={0}
 }
 """
+
+
+def test_hashed_attention_dropout_gives_a_query_that_sees_nothing_zeros_not_nan():
+    """As torch's own attention does: an all-False mask row (a padding row, an idle
+    cell of the pipeline) must not put NaN into the gradients."""
+    original = F.scaled_dot_product_attention
+    query, key, value = (torch.randn(2, 1, 4, 8, requires_grad=True) for _ in range(3))
+    mask = torch.ones(2, 1, 4, 4, dtype=torch.bool)
+    mask[1] = False  # the second row attends to nothing
+    with hashed_dropout(torch.tensor(7, dtype=torch.int32), slot=0):
+        out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, dropout_p=0.5)
+    assert torch.equal(out[1], torch.zeros_like(out[1]))
+    assert out[0].abs().sum() > 0
+    out.sum().backward()
+    assert all(torch.isfinite(t.grad).all() for t in (query, key, value))
+    assert F.scaled_dot_product_attention is original, "restored after the block"
+
+
+def test_side_inputs_pack_into_the_stream_and_come_back_bit_for_bit():
+    stream = torch.randn(3, 4, 2)
+    mask = torch.rand(3, 1, 4, 4) > 0.5
+    positions = torch.arange(12).view(3, 4)
+    packing = packing_for(stream, [mask, positions])
+    packed = packing.pack([stream, mask, positions])
+    assert packed.shape == (3, 8 + 16 + 4) and packed.dtype == torch.float32
+    unpacked = packing.unpack(packed)
+    assert torch.equal(unpacked[0], stream) and torch.equal(unpacked[1], mask) and torch.equal(unpacked[2], positions)
+    assert unpacked[1].dtype == torch.bool and unpacked[2].dtype == torch.int64
+    changed = packing.with_stream(packed, stream + 1)
+    assert torch.equal(packing.stream(changed), stream + 1) and torch.equal(changed[:, 8:], packed[:, 8:])
+    with pytest.raises(ValueError, match="int64 tensor .* cannot hold its values exactly"):
+        packing_for(stream.bfloat16(), [positions])
 
 
 def test_hlo_parser_reads_kinds_sizes_groups_and_loops():

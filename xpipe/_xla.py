@@ -65,16 +65,21 @@ def warm_autograd(device: torch.device) -> None:
         ) from error
 
 
+def can_enter_spmd() -> bool:
+    """Whether the process is in SPMD mode or can still switch to it (no XLA device used yet)."""
+    import torch_xla
+    import torch_xla.runtime as xr
+
+    return xr.is_spmd() or not torch_xla._XLAC._xla_get_spmd_config_is_locked()
+
+
 def check_can_enter_spmd() -> None:
     """Raise unless the process can still switch to SPMD mode.
 
     torch_xla only warns when an XLA device was used before ``use_spmd()``, and the
     process then crashes later (a segfault at the first transfer to the host).
     """
-    import torch_xla
-    import torch_xla.runtime as xr
-
-    if not xr.is_spmd() and torch_xla._XLAC._xla_get_spmd_config_is_locked():
+    if not can_enter_spmd():
         raise RuntimeError(
             "executor: the spmd executor needs SPMD mode, which must start before any XLA device is "
             "used, and this process already used one (torch_xla.device() or an XLA tensor). Build the "

@@ -25,12 +25,13 @@ from __future__ import annotations
 
 import inspect
 from collections import Counter
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.fx
 from torch import nn
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import TreeSpec, tree_flatten, tree_map, tree_unflatten
 
 CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
 
@@ -288,6 +289,38 @@ def extract_module(
     else:
         graph.output(env[outputs[0]] if len(outputs) == 1 else tuple(env[n] for n in outputs))
     return torch.fx.GraphModule(traced, graph, class_name=name)
+
+
+@dataclass(frozen=True)
+class ExportedForm:
+    """What a model captured by torch.export keeps beside its graph.
+
+    Attributes:
+        output_spec: how the graph's flat outputs fold back into what the model
+            returns (a ``ModelOutput``, say).
+        training: the mode the graph was captured in; its dropout is fixed in it.
+    """
+
+    output_spec: TreeSpec
+    training: bool
+
+    @classmethod
+    def of(cls, traced: torch.fx.GraphModule, module: nn.Module) -> ExportedForm | None:
+        """For a trace by torch.export; None for one by torch.fx (which keeps modes)."""
+        return cls(traced._out_spec, module.training) if hasattr(traced, "_out_spec") else None
+
+    def folded(self, output: Any) -> Any:
+        """The graph's flat outputs as the model returns them."""
+        return tree_unflatten(list(output), self.output_spec)
+
+    def check_mode(self, training: bool) -> None:
+        """Refuse to run in the mode the graph was not captured in."""
+        if training != self.training:
+            mode = {True: "train", False: "eval"}
+            raise RuntimeError(
+                f"pipe: the model was captured by torch.export in {mode[self.training]} mode, which fixes "
+                f"dropout in its graph, and the Pipe is now in {mode[training]} mode. Build the Pipe with the "
+                f"model in the mode you run it (model.{mode[training]}() before xpipe.Pipe(...))")
 
 
 def place_constants_on(piece: torch.fx.GraphModule, device: torch.device) -> None:

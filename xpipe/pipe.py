@@ -28,7 +28,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from xpipe._batch import batch_size, check_floating_inputs
 from xpipe._checks import check_positive_int
 from xpipe._retired import retire
-from xpipe._xla import move_keeping_ties, rebind, warm_autograd
+from xpipe._xla import can_enter_spmd, move_keeping_ties, rebind, warm_autograd
 from xpipe.capture import place_constants_on
 from xpipe.checkpoint import check_mode
 from xpipe.devices.executor import DevicesPipeline
@@ -159,7 +159,9 @@ class Pipe(nn.Module):
         device = spmd_device()
         self.devices = [device]
         rebind(module, move_keeping_ties([stacked.pre, stacked.post], device))
-        self.runner = SpmdPipeline(stacked, self.mesh, self.chunks, self.checkpoint, device, self._original_keys)
+        for piece in [stacked.pre, *stacked.blocks, stacked.post]:
+            place_constants_on(piece, device)
+        self.runner = SpmdPipeline(stacked, self.mesh, self.chunks, self.checkpoint, device, _tie_groups(module))
         retire(module, [p for block in stacked.blocks for p in block.parameters()])
 
     def _build_devices(self, module: nn.Module, balance: Sequence[int] | None, mesh: xs.Mesh | None,
@@ -282,6 +284,16 @@ class Pipe(nn.Module):
         return self.runner.named_gradients()
 
 
+def _tie_groups(module: nn.Module) -> dict[str, tuple[str, ...]]:
+    """Each ``state_dict`` key of ``module``, in order, with every key that names the
+    same tensor (a weight tied between the embedding and the head has two)."""
+    state = module.state_dict(keep_vars=True)
+    names: dict[int, list[str]] = {}
+    for key, tensor in state.items():
+        names.setdefault(id(tensor), []).append(key)
+    return {key: tuple(names[id(tensor)]) for key, tensor in state.items()}
+
+
 def _in_order(inputs: tuple, keyword_inputs: dict[str, Any], names: tuple[str, ...]) -> tuple:
     """Positional and keyword inputs as one tuple in the order of the model's inputs."""
     if not keyword_inputs:
@@ -299,16 +311,17 @@ def _choose_executor(executor: str, module: nn.Module, mesh: xs.Mesh | None, sta
                      balance: Sequence[int] | None, sample_input: Any, schedule: str, virtual: int) -> str:
     """``executor``, with ``"auto"`` resolved: spmd for a mesh, an SPMD process or a
     model with a stackable run of at least one identical block per stage (and a
-    stage count that divides the devices), when the schedule is one spmd runs;
-    devices otherwise. Touches no device."""
+    stage count that divides the devices), when the schedule is one spmd runs and
+    the process has not used XLA devices outside SPMD mode; devices otherwise.
+    Touches no device."""
     if executor not in EXECUTORS:
         raise ValueError(f"executor: {executor!r} is not an executor; use one of {', '.join(EXECUTORS)}")
     if executor != "auto":
         return executor
     if mesh is not None or xr.is_spmd():
         return "spmd"
-    if schedule != "gpipe" or virtual != 1:
-        return "devices"
+    if schedule != "gpipe" or virtual != 1 or not can_enter_spmd():
+        return "devices"  # a schedule spmd does not run, or XLA devices already used without SPMD
     requested = _requested_stages(stages, balance)
     devices = xr.global_runtime_device_count()
     stages = devices if requested is None else check_positive_int(requested, "stages")

@@ -69,3 +69,19 @@ def test_reductions_do_not_grow_with_chunks(audits):
     reports, _ = audits
     for kind in ("all-reduce", "collective-permute"):
         assert reports[8][1].count(kind) == reports[32][1].count(kind)
+
+
+def test_a_padding_mask_travels_in_the_streams_own_permutes():
+    """A Hugging Face Llama: its attention mask (a row per batch row) rides inside the
+    hidden state's permutes, so the step has as many as without a mask; nothing is
+    gathered or exchanged all-to-all."""
+    from hf_models import llama, padding_mask, tokens
+
+    permutes = {}
+    for inputs in ({"input_ids": tokens(8, 8)}, {"input_ids": tokens(8, 8), "attention_mask": padding_mask(8)}):
+        pipe = xpipe.Pipe(llama(), chunks=4, mesh=xpipe.make_mesh(STAGES, DATA), checkpoint="never",
+                          sample_input={name: value[:2] for name, value in inputs.items()})
+        report = xpipe.inspect.audit(lambda: pipe(**inputs).logits.square().mean().backward())
+        assert report.count("all-to-all") == 0 and report.count("all-gather") == 0, report
+        permutes[len(inputs)] = report.count("collective-permute")
+    assert permutes == {1: 4, 2: 4}, permutes

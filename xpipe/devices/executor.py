@@ -235,13 +235,8 @@ class DevicesPipeline(nn.Module):
         names = self.staged.inputs
         if len(inputs) != len(names):
             raise TypeError(f"x: the model takes {len(names)} inputs ({', '.join(names)}), got {len(inputs)}")
-        captured = self.staged.captured_training
-        if captured is not None and captured != self.training:
-            mode = {True: "train", False: "eval"}
-            raise RuntimeError(
-                f"pipe: the model was captured by torch.export in {mode[captured]} mode, which fixes dropout "
-                f"in its graph, and the Pipe is now in {mode[self.training]} mode. Build the Pipe with the model "
-                f"in the mode you run it (model.{mode[self.training]}() before xpipe.Pipe(...))")
+        if self.staged.exported is not None:
+            self.staged.exported.check_mode(self.training)
         self.flush()
         if not self._flush_pending:
             xm.add_step_closure(self.flush)
@@ -259,8 +254,8 @@ class DevicesPipeline(nn.Module):
 
     def _folded(self, output: Any) -> Any:
         """The last stage's output as the model returns it (torch.export's flat outputs folded)."""
-        if self.staged.output_spec is not None:
-            return tree_unflatten(list(output), self.staged.output_spec)
+        if self.staged.exported is not None:
+            return self.staged.exported.folded(output)
         return output
 
     def run_cells(self, clocks: Sequence[Sequence[Action | None]],

@@ -14,9 +14,8 @@ from typing import Any
 
 import torch.fx
 from torch import nn
-from torch.utils._pytree import TreeSpec
 
-from xpipe.capture import extract_module, trace_layers
+from xpipe.capture import ExportedForm, extract_module, trace_layers
 from xpipe.partition import Partition
 
 
@@ -44,16 +43,14 @@ class StagedModel:
     Attributes:
         stages: the stage programs, in order.
         inputs: the names of the model's inputs.
-        output_spec: for a model captured by torch.export, how the last stage's flat
-            outputs fold back into what the model returns (a ``ModelOutput``, say).
-        captured_training: for torch.export, the mode the graph was captured in
-            (its dropout is fixed in it); None for fx, which keeps the modules' modes.
+        exported: for a model captured by torch.export, how the last stage's flat
+            outputs fold back into what the model returns (a ``ModelOutput``, say)
+            and the mode it was captured in; None for torch.fx.
     """
 
     stages: list[StageProgram]
     inputs: tuple[str, ...]
-    output_spec: TreeSpec | None = None
-    captured_training: bool | None = None
+    exported: ExportedForm | None = None
 
 
 def cut_into_stages(module: nn.Module, partition: Partition, sample_input: Any = None) -> StagedModel:
@@ -79,10 +76,8 @@ def cut_into_stages(module: nn.Module, partition: Partition, sample_input: Any =
             if len(outputs) == 1:
                 piece = _returning_tuple(piece)
         programs.append(StageProgram(piece, tuple(n.name for n in inputs), tuple(n.name for n in outputs)))
-    exported = hasattr(traced, "_out_spec")
     return StagedModel(programs, tuple(n.name for n in nodes if n.op == "placeholder"),
-                       output_spec=traced._out_spec if exported else None,
-                       captured_training=module.training if exported else None)
+                       ExportedForm.of(traced, module))
 
 
 def _returning_tuple(piece: torch.fx.GraphModule) -> torch.fx.GraphModule:

@@ -17,7 +17,14 @@ Each forward clock ``t`` of the GPipe schedule:
    the last stage writes its result into it.
 
 Both column moves travel in one collective-permute, the state in another: two
-per clock, and their mirror images in the backward loop. The output column of
+per clock, and their mirror images in the backward loop.
+
+Idle cells (a stage before its first microbatch arrives, or after its last has
+left) still compute, and their results are dropped. They run on real rows (the
+state starts as a copy of each device's first slot; in the drain stage 0 re-reads
+a column), never on zeros: an all-zero attention mask that travels with the
+stream would mask every key, and the NaN of such a softmax survives being
+multiplied by a zero gradient. The output column of
 microbatch ``m`` is written ``S`` times as it moves, and comes to rest in the
 very slot its input started in; so the output buffer is again a plain view of
 the batch.
@@ -60,7 +67,7 @@ def make_layout(batch: int, chunks: int, stages: int, data: int) -> Layout:
     """Lay ``batch`` rows out as ``chunks`` microbatches over a ``data x stages`` mesh.
 
     A batch that does not split evenly (the last, smaller batch of an epoch) is
-    padded with zero rows, which only the stacked body sees: the layers before
+    padded with copies of its last row, which only the stacked body sees: the layers before
     and after it, and the output, get exactly the rows given.
     """
     return Layout(stages, data, chunks, -(-chunks // stages), max(1, -(-batch // (chunks * data))), batch)
@@ -70,7 +77,7 @@ def to_slots(x: torch.Tensor, layout: Layout, microbatched: bool) -> torch.Tenso
     """Put one tensor of the stream into the flat slot order ``[S * D * R * rows, ...]``.
 
     ``x`` is ``[batch, ...]``: batch-first rows, already in slot order (padded with
-    zero rows at the end), or, when ``microbatched``, ``chunks`` microbatches one
+    copies of the last row at the end), or, when ``microbatched``, ``chunks`` microbatches one
     after the other, which are padded and moved into place.
     """
     if not microbatched:
@@ -91,13 +98,13 @@ def from_slots(y: torch.Tensor, layout: Layout, microbatched: bool) -> torch.Ten
 
 
 def _pad(x: torch.Tensor, dim: int, size: int) -> torch.Tensor:
-    """``x`` with zeros appended along ``dim`` up to ``size``."""
+    """``x`` with copies of its last entry along ``dim`` appended up to ``size``:
+    padding rows are real rows, so they run as safely as any (see idle cells above)."""
     missing = size - x.shape[dim]
     if missing == 0:
         return x
-    shape = list(x.shape)
-    shape[dim] = missing
-    return torch.cat([x, x.new_zeros(shape)], dim)
+    last = x.narrow(dim, x.shape[dim] - 1, 1)
+    return torch.cat([x, last.expand(*x.shape[:dim], missing, *x.shape[dim + 1:])], dim)
 
 
 def column_tables(schedule: Schedule, layout: Layout) -> tuple[np.ndarray, np.ndarray]:
@@ -157,7 +164,9 @@ def make_tick(stages: int, data: int, run_stages: StageFn) -> Callable:
         last = (device >= (stages - 1) * data).view(-1, *[1] * (state.dim() - 1))
         read_mask = _column_mask(read, inputs)
         write_mask = _column_mask(write, outputs)
-        entering = (inputs * read_mask).sum(1)  # [S*D, rows, F]
+        # In the drain no microbatch enters; stage 0 runs a column it already ran instead
+        # of zeros, whose result is dropped (see the module docstring on idle cells).
+        entering = torch.where(read.sum() > 0, (inputs * read_mask).sum(1), inputs[:, 0])  # [S*D, rows, F]
         leaving = (outputs * write_mask).sum(1)
         state = run_stages(weights, valid, torch.where(first, entering, next_stage(state, 1)), keys)
         moved = next_stage(torch.stack([entering, leaving], 1), -1)  # both columns, one permute

@@ -105,7 +105,11 @@ class _HashedDropout:
         if attn_mask is not None:
             scores = scores.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool \
                 else scores + attn_mask
-        return self.dropout(scores.softmax(-1), dropout_p) @ value
+        # A query that may attend to nothing gets zeros, as torch's own attention gives
+        # it, not NaN (whose gradient would poison every weight, times zero or not).
+        nothing = scores.isneginf().all(-1, keepdim=True)
+        weights = torch.where(nothing, 0.0, scores).softmax(-1).masked_fill(nothing, 0.0)
+        return self.dropout(weights, dropout_p) @ value
 
 
 _ATTENTION = F.scaled_dot_product_attention

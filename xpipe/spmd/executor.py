@@ -32,6 +32,7 @@ from xpipe.schedule import Schedule, gpipe
 from xpipe.spmd.conveyor import Layout, column_tables, from_slots, make_layout, make_tick, to_slots
 from xpipe.spmd.dropout import cell_keys, hashed_dropout
 from xpipe.spmd.lowering import ShardableOps
+from xpipe.spmd.sides import Packing, packing_for
 from xpipe.spmd.stacking import StackedModel
 
 BATCH_AXES = ("stage", "data")  # a batch dim sharded over the whole mesh, stage-major
@@ -46,11 +47,12 @@ class SpmdPipeline(nn.Module):
         chunks: microbatches per step.
         checkpoint: ``"always"``, ``"except_last"`` or ``"never"``.
         device: the SPMD XLA device.
-        keys: the wrapped module's ``state_dict`` keys, in order.
+        keys: the wrapped module's ``state_dict`` keys, in order, each with the keys
+            that name the same tensor (tied weights).
     """
 
     def __init__(self, stacked: StackedModel, mesh: xs.Mesh, chunks: int, checkpoint: str,
-                 device: torch.device, keys: list[str]) -> None:
+                 device: torch.device, keys: dict[str, tuple[str, ...]]) -> None:
         super().__init__()
         self.mesh = mesh
         self.stages = mesh.mesh_shape[1]
@@ -64,6 +66,8 @@ class SpmdPipeline(nn.Module):
             # Replicated from the start: an unannotated weight comes out of the first step
             # annotated "replicated", and the second step would compile anew.
             xs.mark_sharding(tensor, mesh, (None,) * tensor.dim())
+        self.side_rows = stacked.side_rows  # per side input: travels with its microbatch, or held whole
+        self.exported = stacked.exported
         self.block_count = len(stacked.blocks)
         self.per_stage = spread(self.block_count, self.stages)
         self.depth = max(self.per_stage)  # K: block slots per stage
@@ -71,7 +75,7 @@ class SpmdPipeline(nn.Module):
         self._block_parameters = [list(block.named_parameters()) for block in stacked.blocks]
         self._frozen = [[not p.requires_grad for _, p in named] for named in self._block_parameters]
         self.body = StackedWeights.from_blocks(stacked.blocks, self._slots(), device, mesh)
-        self._sources = _state_sources(stacked, keys)
+        self._sources, self._traced_name = _state_sources(stacked, keys)
         self._holders: dict[int, list[tuple[str, Callable]]] | None = None  # see named_slices
         self._ticks: dict[tuple, Callable] = {}
 
@@ -95,7 +99,7 @@ class SpmdPipeline(nn.Module):
         source = self._sources[key]
         if isinstance(source, tuple):
             return self.body.block_tensor(*source)
-        owner, _, name = key.rpartition(".")
+        owner, _, name = self._traced_name.get(key, key).rpartition(".")
         return getattr(source.get_submodule(owner), name)
 
     def host_state(self, keys: list[str]) -> dict[str, torch.Tensor]:
@@ -145,20 +149,28 @@ class SpmdPipeline(nn.Module):
     def forward(self, *inputs: torch.Tensor, microbatch_dim: int | None = None):
         """Run one step's forward; see :class:`xpipe.Pipe` for the contract."""
         self._check_flags_unchanged()
+        if self.exported is not None:
+            self.exported.check_mode(self.training)
         device = self.body.weights[0].device
         microbatched = microbatch_dim is not None
         natural = tree_map(lambda x: x.to(device) if not microbatched else
                            x.to(device).movedim(microbatch_dim, 0).flatten(0, 1), inputs)
         layout = make_layout(tree_flatten(natural)[0][0].shape[0], self.chunks, self.stages, self.data)
         with ShardableOps(), self.batch_norm.updating():
-            stream, *skips = _as_tuple(self.pre(*natural))
-        slots = to_slots(stream, layout, microbatched)
+            stream, *rest = _as_tuple(self.pre(*natural))
+        sides, skips = rest[:len(self.side_rows)], rest[len(self.side_rows):]
+        per_row = [side for side, rows in zip(sides, self.side_rows) if rows]
+        constants = tuple(side for side, rows in zip(sides, self.side_rows) if not rows)
+        packing = packing_for(stream, per_row)
+        slots = to_slots(packing.pack([stream, *per_row]), layout, microbatched)
         # Features flattened: torch_xla shards tensors of at most 5 dims.
         slots = self._shard_batch(slots.reshape(self.stages * self.data, layout.slots, layout.rows, -1))
-        finished = self._run_clocks(slots, layout, tuple(stream.shape[1:]))
-        finished = from_slots(finished.reshape(layout.padded_batch, *stream.shape[1:]), layout, microbatched)
+        finished = self._run_clocks(slots, layout, packing, constants)
+        finished = from_slots(packing.stream(finished.reshape(layout.padded_batch, -1)), layout, microbatched)
         with ShardableOps(), self.batch_norm.updating():
             output = self.post(finished, *skips)
+        if self.exported is not None:
+            output = self.exported.folded(output)
         check_outputs(output, layout.batch)
         if not microbatched:
             return output
@@ -174,22 +186,24 @@ class SpmdPipeline(nn.Module):
                         "executor stacks the blocks' weights when it is built. Set requires_grad before "
                         "wrapping the model (or build a new Pipe)")
 
-    def _run_clocks(self, slots: torch.Tensor, layout: Layout, features: tuple[int, ...]) -> torch.Tensor:
+    def _run_clocks(self, slots: torch.Tensor, layout: Layout, packing: Packing,
+                    constants: tuple[torch.Tensor, ...]) -> torch.Tensor:
         schedule = gpipe(self.stages, layout.padded_chunks)
         inputs, outputs = (torch.tensor(t, device=slots.device, dtype=slots.dtype)
                            for t in column_tables(schedule, layout))
         clocks = torch.arange(len(inputs), dtype=torch.int32, device=slots.device)
         keys = cell_keys(self._step_seed(slots.device), clocks, self.stages, self.data)
-        state = self._shard_batch(slots.new_zeros(slots.shape[0], *slots.shape[2:]))
+        state = self._shard_batch(slots[:, 0].clone())  # idle cells run real rows (see conveyor)
         finished = self._shard_batch(torch.zeros_like(slots))
         valid = self._shard_batch(self._valid_mask(slots))
         weights = tuple(self._shard_batch(self._per_replica(w)) for w in self.body.effective_weights())
+        weights += tuple(self._shard_batch(self._per_device(c)) for c in constants)  # they ride along
         carry = (state, slots, finished, valid, weights)
         plain_from = _first_kept_clock(schedule, self.checkpoint)
         for start, end, recomputed in ((0, plain_from, True), (plain_from, len(inputs), False)):
             if end > start:
                 columns = (inputs[start:end], outputs[start:end], keys[start:end])
-                carry, _ = scan(self._tick(recomputed, features), carry, columns, is_fn_pure=True)
+                carry, _ = scan(self._tick(recomputed, packing), carry, columns, is_fn_pure=True)
         return carry[2]
 
     def _step_seed(self, device: torch.device) -> torch.Tensor:
@@ -199,41 +213,44 @@ class SpmdPipeline(nn.Module):
             return torch.zeros((), dtype=torch.int32, device=device)
         return torch.randint(0, 2**31 - 1, (), dtype=torch.int32).to(device)
 
-    def _tick(self, recomputed: bool, features: tuple[int, ...]) -> Callable:
-        """The loop body for one feature shape; kept, so that scan's trace cache finds it again."""
+    def _tick(self, recomputed: bool, packing: Packing) -> Callable:
+        """The loop body for one stream packing; kept, so that scan's trace cache finds it again."""
         modes = tuple(module.training for module in self._template[0].modules())  # dropout on or off
-        key = (recomputed, features, modes)
+        key = (recomputed, packing, modes)
         if key not in self._ticks:
-            run = partial(self._run_stages, features)
+            run = partial(self._run_stages, packing)
             stages = partial(self._recomputed_stages, run) if recomputed else run
             self._ticks[key] = make_tick(self.stages, self.data, stages)
         return self._ticks[key]
 
-    def _run_stages(self, features: tuple[int, ...], weights: tuple[torch.Tensor, ...],
+    def _run_stages(self, packing: Packing, weights: tuple[torch.Tensor, ...],
                     valid: torch.Tensor, state: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
         """All stages on all data replicas at once: ``[S * D, rows, F] -> same``."""
-        return torch.vmap(partial(self._run_one_stage, features))(weights, valid, state, keys)
+        return torch.vmap(partial(self._run_one_stage, packing))(weights, valid, state, keys)
 
     @staticmethod
     def _recomputed_stages(run: Callable, weights: tuple[torch.Tensor, ...], valid: torch.Tensor,
                            state: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
         return recompute(lambda v, s, k, *w: run(w, v, s, k), valid, state, keys, *weights)
 
-    def _run_one_stage(self, features: tuple[int, ...], weights: tuple[torch.Tensor, ...], valid: torch.Tensor,
+    def _run_one_stage(self, packing: Packing, weights: tuple[torch.Tensor, ...], valid: torch.Tensor,
                        x: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
-        """One stage's ``K`` block slots on one replica; empty slots pass ``x`` through.
+        """One stage's ``K`` block slots on one replica; empty slots pass the stream through.
 
-        ``x`` is ``[rows, F]`` (the features flattened), each weight ``[K, numel]``,
+        ``x`` is ``[rows, F]``: the stream and the per-row side inputs, packed;
+        ``weights`` each block weight ``[K, numel]``, then the constant side inputs;
         ``key`` the int32 key of the cell (see :mod:`xpipe.spmd.dropout`).
         """
-        x = x.view(x.shape[0], *features)
+        stream, *per_row = packing.unpack(x)
+        per_row, constants = iter(per_row), iter(weights[len(self.body.names):])
+        sides = [next(per_row) if rows else next(constants) for rows in self.side_rows]
         for slot in range(self.depth):
             params = {name: w[slot].view(shape)
                       for name, w, shape in zip(self.body.names, weights, self.body.shapes)}
             with ShardableOps(), hashed_dropout(key, slot):
-                y = functional_call(self._template[0], params, (x,))
-            x = torch.where(valid[slot] > 0, y, x)
-        return x.flatten(1)
+                y = functional_call(self._template[0], params, (stream, *sides))
+            stream = torch.where(valid[slot] > 0, y, stream)
+        return packing.with_stream(x, stream)
 
     def _valid_mask(self, like: torch.Tensor) -> torch.Tensor:
         """``[S * D, K]``: 1 where a stage's slot holds a block, 0 for padding slots."""
@@ -248,6 +265,10 @@ class SpmdPipeline(nn.Module):
         copy) happens once, after the loop.
         """
         return per_stage.unsqueeze(1).expand(-1, self.data, *per_stage.shape[1:]).flatten(0, 1)
+
+    def _per_device(self, constant: torch.Tensor) -> torch.Tensor:
+        """``[...] -> [S * D, ...]``: a copy of a constant side input for every device."""
+        return constant.unsqueeze(0).expand(self.stages * self.data, *constant.shape)
 
     def _shard_batch(self, x: torch.Tensor) -> torch.Tensor:
         """Shard dim 0 over the whole mesh, stage-major."""
@@ -342,19 +363,29 @@ def _attribute(name: str) -> str:
     return name.replace(".", "__")
 
 
-def _state_sources(stacked: StackedModel, keys: list[str]) -> dict[str, nn.Module | tuple[int, int]]:
-    """Where each state_dict key lives: in ``pre`` or ``post``, or (parameter index, block)."""
-    sources: dict[str, nn.Module | tuple[int, int]] = {}
+def _state_sources(stacked: StackedModel, keys: dict[str, tuple[str, ...]]
+                   ) -> tuple[dict[str, nn.Module | tuple[int, int]], dict[str, str]]:
+    """Where each state_dict key lives: in ``pre`` or ``post``, or (parameter index,
+    block); and, for a key tied to another that the trace reads instead, that name."""
+    found: dict[str, nn.Module | tuple[int, int]] = {}
     for block, module in enumerate(stacked.blocks):
         for index, (name, _) in enumerate(module.named_parameters()):
-            sources[name] = (index, block)
+            found[name] = (index, block)
     for module in (stacked.pre, stacked.post):
         for name in module.state_dict(keep_vars=True):
-            sources.setdefault(name, module)
+            found.setdefault(name, module)
+    sources: dict[str, nn.Module | tuple[int, int]] = {}
+    traced_name: dict[str, str] = {}
+    for key, tied in keys.items():
+        name = next((name for name in (key, *tied) if name in found), None)
+        if name is not None:
+            sources[key] = found[name]
+            if name != key:
+                traced_name[key] = name
     unused = [key for key in keys if key not in sources]
     if unused:
         raise ValueError(f"module: {unused} are never used by forward; remove them before pipelining")
-    return sources
+    return sources, traced_name
 
 
 def spread(blocks: int, stages: int) -> tuple[int, ...]:

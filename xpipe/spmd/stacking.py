@@ -13,9 +13,11 @@ from typing import Any
 
 import torch
 import torch.fx
+import torch.nn.functional as F
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
 
-from xpipe.capture import extract_module, trace_layers
+from xpipe.capture import ExportedForm, extract_module, flat_inputs, trace_layers
 from xpipe.partition import Partition
 
 PRE, POST = "pre", "post"
@@ -26,22 +28,32 @@ class StackedModel:
     """A model cut for the SPMD executor.
 
     Attributes:
-        pre: ``(*inputs) -> (stream, *skips)``: the layers before the body.
-        blocks: one ``stream -> stream`` module per block of the body, in order.
+        pre: ``(*inputs) -> (stream, *sides, *skips)``: the layers before the body.
+        blocks: one ``(stream, *sides) -> stream`` module per block of the body, in order.
         post: ``(stream, *skips) -> output``: the layers after the body.
+        side_rows: for each side input (a tensor computed before the body and read
+            by every block: an attention mask, rotary cos/sin), whether it has a
+            row per batch row (so it travels with its microbatch) or is the same
+            for every row (so every stage holds it whole).
+        exported: for a model captured by torch.export, how ``post``'s flat outputs
+            fold back into what the model returns, and the mode it was captured in.
     """
 
     pre: torch.fx.GraphModule
     blocks: list[torch.fx.GraphModule]
     post: torch.fx.GraphModule
+    side_rows: tuple[bool, ...] = ()
+    exported: ExportedForm | None = None
 
 
 def cut_for_stacking(module: nn.Module, partition: Partition, sample_input: Any = None) -> StackedModel:
     """Cut ``module`` around ``partition.repeated``.
 
     Raises:
-        ValueError: if there is no repeated body, or a block takes or gives more
-            than the one stream tensor (such models need the ``devices`` executor).
+        ValueError: if there is no repeated body, or its blocks pass more than one
+            tensor from block to block (such models need the ``devices`` executor),
+            or they read tensors computed before the body and no ``sample_input``
+            tells which of those have a row per batch row.
     """
     repeated = partition.repeated
     if repeated is None:
@@ -62,46 +74,157 @@ def cut_for_stacking(module: nn.Module, partition: Partition, sample_input: Any 
             return POST
         return (index - repeated.start) // repeated.period
 
-    nodes = [n for n in traced.graph.nodes if n.op in ("placeholder", "output") or n in layer_of]  # no unused reads
-    segment_of = {node: segment(node) for node in nodes}
-    streams = _block_streams(nodes, segment_of, repeated.count)
+    def cut() -> tuple[list[torch.fx.Node], dict[torch.fx.Node, str | int]]:
+        nodes = [n for n in traced.graph.nodes if n.op in ("placeholder", "output") or n in layer_of]  # no unused
+        return nodes, {node: segment(node) for node in nodes}
+
+    nodes, segment_of = cut()
+    streams, sides = _block_interface(nodes, segment_of, repeated.count)
+    if _read_batch_size_from_streams(traced, layer_of, streams, sides, segment_of):
+        nodes, segment_of = cut()
+        streams, sides = _block_interface(nodes, segment_of, repeated.count)
+    _check_sides_are_tensors(sides)
     skips = [n for n in nodes if segment_of[n] == PRE and any(segment_of[user] == POST for user in n.users)]
     placeholders = [n for n in nodes if n.op == "placeholder"]
     pre_nodes = [n for n in nodes if segment_of[n] == PRE and n.op != "placeholder"]
-    pre = extract_module(traced, placeholders, pre_nodes, [streams[0], *skips], "Pre")
+    pre = extract_module(traced, placeholders, pre_nodes, [streams[0], *sides, *skips], "Pre")
     blocks = [
-        extract_module(traced, [streams[j]], [n for n in nodes if segment_of[n] == j], [streams[j + 1]], "Block")
+        extract_module(traced, [streams[j], *sides], [n for n in nodes if segment_of[n] == j], [streams[j + 1]],
+                       "Block")
         for j in range(repeated.count)
     ]
     post_nodes = [n for n in nodes if segment_of[n] == POST and n.op != "output"]
     post = extract_module(traced, [streams[-1], *skips], post_nodes, None, "Post", output=nodes[-1])
     _check_alike(blocks)
-    return StackedModel(pre, blocks, post)
+    for block in blocks:
+        _vmappable(block)
+    side_rows = _side_rows(pre, len(sides), sample_input) if sides else ()
+    return StackedModel(pre, blocks, post, side_rows, ExportedForm.of(traced, module))
 
 
-def _block_streams(nodes: list[torch.fx.Node], segment_of: dict, count: int) -> list[torch.fx.Node]:
-    """The value entering each block, then the value leaving the last: ``count + 1`` nodes."""
-    streams: list[torch.fx.Node] = []
+def _block_interface(nodes: list[torch.fx.Node], segment_of: dict,
+                     count: int) -> tuple[list[torch.fx.Node], list[torch.fx.Node]]:
+    """The value entering each block, then the value leaving the last (``count + 1``
+    nodes), and the side inputs: values computed before the body that every block reads."""
+    inputs_of = []
+    outputs_of = []
     for block in range(count):
         members = [n for n in nodes if segment_of[n] == block]
-        inputs = {u for n in members for u in n.all_input_nodes if segment_of[u] != block}
-        outputs = [n for n in members if any(segment_of[user] != block for user in n.users)]
-        if len(inputs) != 1 or len(outputs) != 1:
+        inputs_of.append(list(dict.fromkeys(u for n in members for u in n.all_input_nodes
+                                            if segment_of[u] != block)))
+        outputs_of.append([n for n in members if any(segment_of[user] != block for user in n.users)])
+    sides = [u for u in inputs_of[0] if segment_of[u] == PRE and all(u in later for later in inputs_of[1:])]
+    sides = sides if count > 1 else []
+    streams: list[torch.fx.Node] = []
+    for block, (inputs, outputs) in enumerate(zip(inputs_of, outputs_of)):
+        entering = [u for u in inputs if u not in sides]
+        if len(entering) != 1 or len(outputs) != 1:
             raise ValueError(
-                f"module: block {block} of the repeated body takes {sorted(u.name for u in inputs)} and gives "
-                f"{[n.name for n in outputs]}; the spmd executor stacks blocks that pass one tensor from "
-                "block to block. Pass only the hidden state between blocks, or use another executor"
+                f"module: block {block} of the repeated body takes {sorted(u.name for u in entering)} from the "
+                f"block before it (besides what every block reads: {[u.name for u in sides]}) and gives "
+                f"{[n.name for n in outputs]}; the spmd executor stacks blocks that pass one tensor from block "
+                "to block. Pass only the hidden state between blocks, or use another executor"
             )
-        (entering,) = inputs
-        if streams and entering is not streams[-1]:
-            raise ValueError(f"module: block {block} reads {entering.name!r}, not the previous block's output "
+        if streams and entering[0] is not streams[-1]:
+            raise ValueError(f"module: block {block} reads {entering[0].name!r}, not the previous block's output "
                              f"{streams[-1].name!r}; blocks must form a chain to be stacked")
-        streams = streams or [entering]
+        streams = streams or [entering[0]]
         streams.append(outputs[0])
         if any(segment_of[user] not in (block + 1, POST) for user in outputs[0].users):
             raise ValueError(f"module: the output of block {block} is used beyond the next block; "
                              "blocks must form a chain to be stacked")
-    return streams
+    return streams, sides
+
+
+def _batch_sizes(sides: list[torch.fx.Node]) -> list[torch.fx.Node]:
+    """The side inputs that are the batch size: torch.export's ``sym_size(input, 0)``."""
+    return [n for n in sides if n.op == "call_function" and n.target is torch.ops.aten.sym_size.int
+            and n.args[0].op == "placeholder" and n.args[1] == 0]
+
+
+def _read_batch_size_from_streams(traced: torch.fx.GraphModule, layer_of: dict[torch.fx.Node, str],
+                                  streams: list[torch.fx.Node], sides: list[torch.fx.Node], segment_of: dict) -> bool:
+    """Let each block read the batch size from its own stream instead of from the
+    model's input (torch.export's ``sym_size(input, 0)``, which every block's
+    reshapes read): inside the stacked loop a block sees a microbatch's rows.
+    True if the trace changed."""
+    sizes = _batch_sizes(sides)
+    for block, stream in enumerate(streams[:-1] if sizes else []):
+        layer = next(layer_of[n] for n in layer_of if segment_of.get(n) == block)
+        with traced.graph.inserting_after(stream):
+            rows = traced.graph.call_function(torch.ops.aten.sym_size.int, (stream, 0))
+        layer_of[rows] = layer
+        for size in sizes:
+            for user in [u for u in size.users if segment_of.get(u) == block]:
+                user.replace_input_with(size, rows)
+    return bool(sizes)
+
+
+def dim_size(x: torch.Tensor, dim: int) -> int:
+    """``x.size(dim)``: what torch.export's ``aten.sym_size.int`` computes, in a form
+    ``torch.vmap`` can run (the op itself has no batching rule)."""
+    return x.size(dim)
+
+
+def functional_dropout(x: torch.Tensor, p: float, train: bool) -> torch.Tensor:
+    """torch.export's ``aten.dropout`` as ``F.dropout``, looked up when called, so
+    that the stacked loop's hashed dropout (:mod:`xpipe.spmd.dropout`) runs it."""
+    return F.dropout(x, p, train)
+
+
+def functional_attention(*args: Any, **kwargs: Any) -> torch.Tensor:
+    """torch.export's ``aten.scaled_dot_product_attention`` as the functional one,
+    looked up when called, for the same reason as :func:`functional_dropout`."""
+    return F.scaled_dot_product_attention(*args, **kwargs)
+
+
+_VMAPPABLE = {
+    torch.ops.aten.sym_size.int: dim_size,
+    torch.ops.aten.dropout.default: functional_dropout,
+    torch.ops.aten.scaled_dot_product_attention.default: functional_attention,
+}
+
+
+def _vmappable(block: torch.fx.GraphModule) -> None:
+    """Let ``block``, as torch.export recorded it, run inside the stacked loop: under
+    ``torch.vmap``, with dropout from the loop's hashed masks (vmap refuses random ops)."""
+    for node in block.graph.nodes:
+        if node.op == "call_function" and node.target in _VMAPPABLE:
+            node.target = _VMAPPABLE[node.target]
+    block.recompile()
+
+
+def _check_sides_are_tensors(sides: list[torch.fx.Node]) -> None:
+    for side in sides:
+        if side.op == "call_function" and side.target is torch.ops.aten.sym_size.int:
+            raise ValueError(f"module: every block reads {side.name!r}, the size of dim {side.args[1]} of "
+                             f"{side.args[0]}; the spmd executor gives blocks the batch size (dim 0 of an input) "
+                             "only. Build the model for a fixed sequence length, or use executor='devices'")
+
+
+def _side_rows(pre: torch.fx.GraphModule, count: int, sample_input: Any) -> tuple[bool, ...]:
+    """Which of ``pre``'s side outputs have a row per batch row: those whose dim 0
+    doubles when the sample batch does (shapes only; nothing is computed)."""
+    if sample_input is None:
+        raise ValueError("sample_input: the blocks of the repeated body read tensors computed before it (an "
+                         "attention mask, position embeddings); pass sample_input=<a batch as the model takes it> "
+                         "so that xpipe can tell which of them have a row per batch row")
+    inputs = flat_inputs(sample_input)
+    doubled = [torch.cat([x, x]) if isinstance(x, torch.Tensor) and x.dim() else x for x in inputs]
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        once = _as_tuple(pre(*[mode.from_tensor(x) if isinstance(x, torch.Tensor) else x for x in inputs]))
+        twice = _as_tuple(pre(*[mode.from_tensor(x) if isinstance(x, torch.Tensor) else x for x in doubled]))
+    rows = []
+    for index, (a, b) in enumerate(zip(once[1:count + 1], twice[1:count + 1])):
+        if not isinstance(a, torch.Tensor) or a.dim() == 0:
+            raise ValueError(f"module: the blocks read a value computed before the body that is not a tensor "
+                             f"with a batch dim ({type(a).__name__}); use executor='devices'")
+        rows.append(b.shape[0] == 2 * a.shape[0])
+    return tuple(rows)
+
+
+def _as_tuple(value: Any) -> tuple:
+    return value if isinstance(value, tuple) else (value,)
 
 
 def _check_alike(blocks: list[torch.fx.GraphModule]) -> None:

@@ -1,0 +1,62 @@
+"""Small Hugging Face models for the tests, built from the library's own classes and
+configs with random weights (nothing is downloaded)."""
+
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+
+def llama(layers: int = 4) -> LlamaForCausalLM:
+    """Tied embeddings, grouped-query attention (4 heads, 2 key/value heads)."""
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(
+        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=layers, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=True, use_cache=False))
+
+
+def gpt2(layers: int = 4, dropout: float | None = None) -> GPT2LMHeadModel:
+    """GPT-2 as configured by default, or with every dropout probability set to ``dropout``."""
+    torch.manual_seed(0)
+    config = GPT2Config(vocab_size=128, n_positions=32, n_embd=32, n_layer=layers, n_head=4, bos_token_id=0,
+                        eos_token_id=0, use_cache=False)
+    if dropout is not None:
+        config.resid_pdrop = config.embd_pdrop = config.attn_pdrop = dropout
+    return GPT2LMHeadModel(config)
+
+
+def tokens(rows: int = 2, seq: int = 8) -> torch.Tensor:
+    return torch.randint(0, 128, (rows, seq), generator=torch.Generator().manual_seed(0))
+
+
+def padding_mask(rows: int, seq: int = 8) -> torch.Tensor:
+    """All ones but the first row, whose first three positions are padding."""
+    mask = torch.ones(rows, seq, dtype=torch.long)
+    mask[0, :3] = 0
+    return mask
+
+
+def assert_llama_step_matches(pipe, reference, ids: torch.Tensor, mask: torch.Tensor) -> None:
+    """One backward of ``mean(logits**2)`` through ``pipe`` (a pipelined Llama) equals
+    the same on ``reference`` (the model unpipelined, on the CPU): the logits and every
+    gradient, rtol 1e-4 (``equivalence``)."""
+    import torch_xla
+    from equivalence import ATOL, RTOL
+
+    output = pipe(input_ids=ids, attention_mask=mask)
+    assert type(output).__name__ == "CausalLMOutputWithPast"
+    output.logits.square().mean().backward()
+    torch_xla.sync()
+    expected = reference(input_ids=ids, attention_mask=mask).logits
+    expected.square().mean().backward()
+    torch.testing.assert_close(output.logits.cpu(), expected.detach(), rtol=RTOL, atol=ATOL)
+    assert_gradients_match(pipe, reference)
+
+
+def assert_gradients_match(pipe, reference) -> None:
+    """Every parameter's gradient, under its name in the unpipelined ``reference``."""
+    from equivalence import ATOL, RTOL
+
+    gradients = pipe.named_gradients()
+    for name, parameter in reference.named_parameters():
+        assert gradients[name] is not None, f"{name} got no gradient"
+        torch.testing.assert_close(gradients[name].cpu(), parameter.grad, rtol=RTOL, atol=ATOL,
+                                   msg=lambda m, name=name: f"gradient of {name}: {m}")

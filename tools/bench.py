@@ -17,8 +17,9 @@ Rows, on S = 4 pipeline stages, for each model and chunk count:
 
 Every row lives in worker processes of its own (SPMD mode is process-global, the
 emulated device count is fixed at start, torch.distributed wants a process per
-rank), started together; the controller then asks each row for one step in
-turn, A B C A B C ..., so that drift of this machine hits every row alike. The
+rank). A backend's rows and their unpipelined baseline are started together;
+the controller then asks each for one step in turn, A B C A B C ..., so that
+drift of this machine hits a row and its baseline alike. The
 same model (untied weights, so that every engine can split it), the same batch
 every step and SGD; a row's loss after N steps is compared with the eager
 unpipelined row's. Overhead is a row's median step time over the unpipelined
@@ -420,12 +421,15 @@ def rows_for(models: list[str], chunk_counts: list[int], size: str) -> list[Row]
 
 
 def measure(rows: list[Row], steps: int, log: Path) -> list[Result]:
-    """Start the rows' workers together, then step them in turn; the first step (trace and
-    compile) is timed apart. Rows run a model and chunk count at a time, to bound memory."""
+    """Start a group's workers together, then step them in turn; the first step (trace and
+    compile) is timed apart. A group is a backend's rows with their unpipelined baseline,
+    for one model and chunk count: each overhead is measured within one group, and at
+    most one group's processes hold memory at a time (all rows at once ran a 23 GiB
+    machine out of memory with the LM at 32 chunks)."""
     results = []
     groups: dict[tuple, list[Row]] = {}
     for row in rows:
-        groups.setdefault((row.model, row.chunks), []).append(row)
+        groups.setdefault((row.model, row.chunks, BASELINE_OF.get(row.engine, row.engine)), []).append(row)
     for group in groups.values():
         workers = [Worker(row, log) for row in group]
         group_results = [Result(row) for row in group]
@@ -535,7 +539,7 @@ def main() -> None:
     size.add_argument("--full", action="store_true", help="the LM and the CNN, chunks 8 and 32, 7 steps")
     size.add_argument("--smoke", action="store_true", help="a tiny LM, chunks 4, one step per row")
     parser.add_argument("--out", type=Path, default=Path("bench-out"))
-    parser.add_argument("--only", nargs="+", metavar="ENGINE", help="these engines only (with eager, the reference), "
+    parser.add_argument("--only", nargs="+", metavar="ENGINE", help="these engines only (with their baselines and eager, the loss reference), "
                         "e.g. xpipe-spmd xpipe-devices pippy torchgpipe xla spmd-dp")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     options = parser.parse_args()
@@ -549,7 +553,8 @@ def main() -> None:
     else:
         rows, steps = rows_for(["lm"], [8], "full"), 5
     if options.only:
-        rows = [row for row in rows if row.engine in {*options.only, "eager"}]
+        kept = {*options.only, "eager", *(BASELINE_OF.get(engine, engine) for engine in options.only)}
+        rows = [row for row in rows if row.engine in kept]
     options.out.mkdir(parents=True, exist_ok=True)
     log = options.out / "workers.log"
     log.write_text("")

@@ -1,57 +1,75 @@
 """The conveyor's layout and clock tables, on the CPU.
 
 Simulates the conveyor with labels instead of tensors to check the claim its
-design rests on: every microbatch enters stage 0 at its clock, and its output
-comes to rest in the slot its input started in.
+design rests on: every microbatch enters stage 0 at its clock (in each round of
+a circular schedule), and its output comes to rest in the slot its input
+started in.
 """
 
 import numpy as np
 import pytest
 import torch
 
-from xpipe.schedule import gpipe
+from xpipe.schedule import by_name, circular, gpipe
 from xpipe.spmd.conveyor import column_tables, from_slots, make_layout, to_slots
 
 
-def simulate(stages: int, chunks: int):
+def simulate(stages: int, chunks: int, rounds: int = 1):
+    """Run the conveyor's tables on labels ``(slot's stage, slot, times through the
+    stages)``: what stage 0 is fed at each clock, and the buffer at the end."""
     layout = make_layout(chunks, chunks, stages, 1)
-    reads, writes = column_tables(gpipe(stages, layout.padded_chunks), layout)
-    inputs = [[("in", s, r) for r in range(layout.slots)] for s in range(stages)]
-    outputs = [[None] * layout.slots for _ in range(stages)]
-    pipeline = [None] * stages
+    schedule = gpipe(stages, layout.padded_chunks) if rounds == 1 else circular(stages, layout.padded_chunks, rounds)
+    tables = column_tables(schedule, layout)
+    buffer = [[(s, r, 0) for r in range(layout.slots)] for s in range(stages)]
+    pipeline = [None] * stages  # what each stage holds after the clock: its input, run once more
     fed = []
-    for clock in range(len(reads)):
-        read = np.flatnonzero(reads[clock])
-        entering = inputs[0][read[0]] if read.size else None
-        pipeline = [entering] + pipeline[:-1]  # stage s now works on what stage s-1 had
+    for clock in range(len(tables.reads)):
+        read, write = np.flatnonzero(tables.reads[clock]), np.flatnonzero(tables.writes[clock])
+        finished = pipeline[-1]
+        entering = buffer[0][read[0]] if read.size else finished if tables.from_ring[clock] else None
+        pipeline = [entering] + pipeline[:-1]
+        pipeline = [None if cell is None else cell[:2] + (cell[2] + 1,) for cell in pipeline]
         fed.append(entering)
-        if read.size:
-            column = [inputs[s][read[0]] for s in range(1, stages)] + [None]
-            for s in range(stages):
-                inputs[s][read[0]] = column[s]
-        write = np.flatnonzero(writes[clock])
-        if write.size:
-            column = [outputs[s][write[0]] for s in range(1, stages)] + [("out",) + pipeline[-1][1:]]
-            for s in range(stages):
-                outputs[s][write[0]] = column[s]
-    return layout, fed, outputs
+        for column, is_written in ((read, False), (write, True)):
+            if column.size:
+                moved = [buffer[s][column[0]] for s in range(1, stages)]
+                bottom = pipeline[-1] if is_written else None
+                for s, item in enumerate(moved + [bottom]):
+                    buffer[s][column[0]] = item
+    return layout, fed, buffer, tables
 
 
-@pytest.mark.parametrize("stages, chunks", [(1, 1), (2, 2), (4, 8), (4, 4), (4, 1), (3, 7), (8, 32)])
-def test_each_output_comes_to_rest_where_its_input_started(stages, chunks):
-    layout, fed, outputs = simulate(stages, chunks)
-    slots_in_feed_order = [("in", t % stages, t // stages) for t in range(layout.padded_chunks)]
-    assert fed[: layout.padded_chunks] == slots_in_feed_order
-    assert all(entry is None for entry in fed[layout.padded_chunks:])
-    assert outputs == [[("out", s, r) for r in range(layout.slots)] for s in range(stages)]
+@pytest.mark.parametrize("stages, chunks, rounds", [
+    (1, 1, 1), (2, 2, 1), (4, 8, 1), (4, 4, 1), (4, 1, 1), (3, 7, 1), (8, 32, 1),
+    (4, 4, 2), (4, 8, 2), (4, 8, 4), (3, 7, 3), (8, 8, 2), (2, 6, 3), (1, 1, 3), (1, 3, 2),
+])
+def test_each_microbatch_enters_on_time_and_comes_to_rest_in_its_slot(stages, chunks, rounds):
+    layout, fed, buffer, tables = simulate(stages, chunks, rounds)
+    chunks = layout.padded_chunks
+    expected = [(p % stages, p // stages, v * stages) for v in range(rounds) for p in range(chunks)]
+    assert fed[: rounds * chunks] == expected, "round v of each microbatch enters stage 0 at clock v * M + m"
+    assert all(entry is None for entry in fed[rounds * chunks:])
+    assert buffer == [[(s, r, rounds * stages) for r in range(layout.slots)] for s in range(stages)]
+    assert bool(tables.from_ring.any()) == (rounds > 1 and layout.slots == 1)
 
 
 def test_tables_mark_one_column_per_clock():
     layout = make_layout(8, 8, 4, 1)
-    reads, writes = column_tables(gpipe(4, 8), layout)
-    assert reads.shape == writes.shape == (11, 2)
-    assert reads.sum(1).tolist() == [1] * 8 + [0] * 3
-    assert writes.sum(1).tolist() == [0] * 3 + [1] * 8
+    tables = column_tables(gpipe(4, 8), layout)
+    assert tables.reads.shape == tables.writes.shape == (11, 2)
+    assert tables.reads.sum(1).tolist() == [1] * 8 + [0] * 3
+    assert tables.writes.sum(1).tolist() == [0] * 3 + [1] * 8
+    tables = column_tables(circular(4, 8, 2), layout)
+    assert tables.reads.sum(1).tolist() == [1] * 16 + [0] * 3
+    assert tables.writes.sum(1).tolist() == [0] * 3 + [1] * 16
+    assert tables.rounds[:, 0].tolist() == [0] * 8 + [1] * 11  # idle cells keep their last round
+    assert tables.rounds[:, 3].tolist() == [0] * 11 + [1] * 8
+
+
+def test_a_schedule_the_conveyor_does_not_run_is_refused():
+    with pytest.raises(ValueError, match="schedule: the spmd executor runs fill-drain forwards round the stage "
+                                         "ring; '1f1b' runs 0B0 on rank 0 at clock 2"):
+        column_tables(by_name("1f1b", 2, 4), make_layout(4, 4, 2, 1))
 
 
 def test_layout_pads_chunks_to_fill_every_stage():

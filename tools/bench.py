@@ -7,7 +7,8 @@
 Rows, on S = 4 pipeline stages, for each model and chunk count:
 
 - xpipe spmd: one SPMD program on 8 emulated XLA devices (2 data x 4 stages), GPipe
-  (the LM only: the CNN has no run of identical blocks to stack);
+  and circular (2 rounds of the ring) (the LM only: the CNN has no run of identical
+  blocks to stack);
 - xpipe devices: one stage per emulated XLA device (4), every schedule it runs;
 - torch.distributed.pipelining: GPipe, 1F1B and interleaved 1F1B (2 stages per
   rank), 4 processes on gloo, eager CPU;
@@ -48,7 +49,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 STAGES = 4
-SCHEDULES_DEVICES = ("gpipe", "1f1b", "zb-h1", "interleaved")
+SCHEDULES_SPMD = ("gpipe", "circular")
+SCHEDULES_DEVICES = ("gpipe", "1f1b", "zb-h1", "interleaved", "circular")
+VIRTUAL = {"interleaved": 2, "circular": 2}  # model stages per device (pippy: per rank)
 SCHEDULES_PIPPY = ("gpipe", "1f1b", "interleaved")
 BASELINE_OF = {"xpipe-spmd": "spmd-dp", "xpipe-devices": "xla", "pippy": "eager", "torchgpipe": "eager"}
 DEVICES_OF = {"xpipe-spmd": 8, "spmd-dp": 8, "xpipe-devices": STAGES, "xla": 1}
@@ -60,7 +63,7 @@ class Row:
     """One configuration to measure."""
 
     engine: str  # xpipe-spmd, xpipe-devices, pippy, torchgpipe, eager, xla, spmd-dp
-    schedule: str  # gpipe, 1f1b, zb-h1, interleaved; "-" for the unpipelined rows
+    schedule: str  # gpipe, 1f1b, zb-h1, interleaved, circular; "-" for the unpipelined rows
     model: str  # lm or cnn
     chunks: int
     size: str  # full or smoke
@@ -214,11 +217,10 @@ def xla_step(row: Row, model, inputs, targets):
 
     if row.engine == "xpipe-spmd":
         pipe = xpipe.Pipe(model, chunks=row.chunks, mesh=xpipe.make_mesh(STAGES, 2), loss_fn=loss_fn,
-                          checkpoint="never")
+                          checkpoint="never", schedule=row.schedule, virtual=VIRTUAL.get(row.schedule, 1))
     elif row.engine == "xpipe-devices":
-        virtual = 2 if row.schedule == "interleaved" else 1
         pipe = xpipe.Pipe(model, chunks=row.chunks, stages=STAGES, executor="devices", schedule=row.schedule,
-                          virtual=virtual, loss_fn=loss_fn, checkpoint="never")
+                          virtual=VIRTUAL.get(row.schedule, 1), loss_fn=loss_fn, checkpoint="never")
     else:
         pipe = None
     if pipe is not None:
@@ -309,7 +311,7 @@ def pippy_step(row: Row):
     atexit.register(dist.destroy_process_group)
     _, layers = build_model(row)
     inputs, targets = batch(row)
-    virtual = 2 if row.schedule == "interleaved" else 1
+    virtual = VIRTUAL.get(row.schedule, 1)
     parts = split(layers, balance(row, world * virtual))
     mine = [rank + world * v for v in range(virtual)]
     stages = [PipelineStage(parts[index], index, world * virtual, torch.device("cpu")) for index in mine]
@@ -412,7 +414,7 @@ def rows_for(models: list[str], chunk_counts: list[int], size: str) -> list[Row]
     for model in models:
         for chunks in chunk_counts:
             if model == "lm":  # the CNN has no run of identical blocks to stack
-                rows += [Row("xpipe-spmd", "gpipe", model, chunks, size)]
+                rows += [Row("xpipe-spmd", schedule, model, chunks, size) for schedule in SCHEDULES_SPMD]
             rows += [Row("xpipe-devices", schedule, model, chunks, size) for schedule in SCHEDULES_DEVICES]
             rows += [Row("pippy", schedule, model, chunks, size) for schedule in SCHEDULES_PIPPY]
             rows += [Row("torchgpipe", "gpipe", model, chunks, size)]

@@ -36,6 +36,7 @@ from xpipe.devices.stages import cut_into_stages
 from xpipe.mesh import make_mesh, mesh_shape, spmd_device
 from xpipe.partition import Partition, partition
 from xpipe.schedule import Schedule, by_name
+from xpipe.spmd.executor import SCHEDULES as SPMD_SCHEDULES
 from xpipe.spmd.executor import SpmdPipeline, spread
 from xpipe.spmd.stacking import cut_for_stacking
 
@@ -63,13 +64,15 @@ class Pipe(nn.Module):
         mesh: a ``("data", "stage")`` mesh for the spmd executor; defaults to
             ``xpipe.make_mesh(stages)``.
         schedule: the schedule's name (``xpipe.schedule.SCHEDULES``). The spmd
-            executor runs ``"gpipe"``; the devices executor runs every schedule
-            with :meth:`step`, and with ``pipe(x)`` those whose forwards all come
+            executor runs ``"gpipe"`` and ``"circular"`` (with ``pipe(x)`` or
+            :meth:`step`); the devices executor runs every schedule with
+            :meth:`step`, and with ``pipe(x)`` those whose forwards all come
             before their backwards (``"gpipe"``, ``"circular"``), or any under
             ``torch.no_grad()``. ``"auto"`` picks the devices executor for a
             schedule the spmd one does not run.
-        virtual: model stages per device, for ``"interleaved"`` and ``"circular"``
-            (model stage ``s`` on device ``s % stages``); a ``balance`` then lists
+        virtual: model stages per device (or stage group, under spmd), for
+            ``"interleaved"`` and ``"circular"`` (model stage ``s`` on device
+            ``s % stages``); a ``balance`` then lists
             ``stages * virtual`` entries.
         loss_fn: ``loss_fn(output, target)`` for :meth:`step`, a scalar reduced by
             mean (or by sum, if its ``reduction`` attribute says ``"sum"``), e.g.
@@ -142,26 +145,24 @@ class Pipe(nn.Module):
 
     def _build_spmd(self, module: nn.Module, balance: Sequence[int] | None, mesh: xs.Mesh | None,
                     stages: int | None, schedule: str, sample_input: Any) -> None:
-        if self.virtual != 1:
-            raise ValueError(f"virtual: the spmd executor runs one model stage per stage group (virtual=1), not "
-                             f"{self.virtual}; use virtual=1, or executor='devices' for interleaved or circular "
-                             "schedules")
-        stages = _spmd_stage_count(mesh, stages, balance)
+        if schedule not in SPMD_SCHEDULES:
+            raise ValueError(f"schedule: the spmd executor runs {' and '.join(map(repr, SPMD_SCHEDULES))} (its "
+                             f"clock loop is GPipe's fill-drain, once or round the stage ring), not {schedule!r}; "
+                             "use one of those, or executor='devices'")
+        stages = _spmd_stage_count(mesh, stages, balance, self.virtual)
+        self.schedule: Schedule = by_name(schedule, stages, self.chunks, self.virtual)
         plan = partition(module, stages, sample_input=sample_input)
         stacked = cut_for_stacking(module, plan, sample_input)
-        self.partition: Partition = _spmd_partition(module, plan, spread(len(stacked.blocks), stages), balance,
-                                                    sample_input)
-        self.schedule: Schedule = by_name(schedule, stages, self.chunks)
-        if self.schedule.name != "gpipe":
-            raise ValueError(f"schedule: the spmd executor runs 'gpipe' only (its clock loop is GPipe's "
-                             f"fill-drain), not {schedule!r}; use schedule='gpipe', or executor='devices'")
+        self.partition: Partition = _spmd_partition(module, plan, spread(len(stacked.blocks), stages * self.virtual),
+                                                    balance, sample_input)
         self.mesh = mesh if mesh is not None else make_mesh(stages)  # the process enters SPMD mode here
         device = spmd_device()
         self.devices = [device]
         rebind(module, move_keeping_ties([stacked.pre, stacked.post], device))
         for piece in [stacked.pre, *stacked.blocks, stacked.post]:
             place_constants_on(piece, device)
-        self.runner = SpmdPipeline(stacked, self.mesh, self.chunks, self.checkpoint, device, _tie_groups(module))
+        self.runner = SpmdPipeline(stacked, self.mesh, self.chunks, self.checkpoint, device, _tie_groups(module),
+                                   self.virtual)
         retire(module, [p for block in stacked.blocks for p in block.parameters()])
 
     def _build_devices(self, module: nn.Module, balance: Sequence[int] | None, mesh: xs.Mesh | None,
@@ -320,9 +321,9 @@ def _choose_executor(executor: str, module: nn.Module, mesh: xs.Mesh | None, sta
         return executor
     if mesh is not None or xr.is_spmd():
         return "spmd"
-    if schedule != "gpipe" or virtual != 1 or not can_enter_spmd():
+    if schedule not in SPMD_SCHEDULES or not can_enter_spmd():
         return "devices"  # a schedule spmd does not run, or XLA devices already used without SPMD
-    requested = _requested_stages(stages, balance)
+    requested = _requested_stages(stages, balance, virtual)
     devices = xr.global_runtime_device_count()
     stages = devices if requested is None else check_positive_int(requested, "stages")
     if devices % stages:
@@ -331,7 +332,7 @@ def _choose_executor(executor: str, module: nn.Module, mesh: xs.Mesh | None, sta
         stacked = cut_for_stacking(module, partition(module, 1, sample_input=sample_input), sample_input)
     except ValueError:
         return "devices"
-    return "spmd" if len(stacked.blocks) >= stages else "devices"
+    return "spmd" if len(stacked.blocks) >= stages * virtual else "devices"
 
 
 def _requested_stages(stages: int | None, balance: Sequence[int] | None, virtual: int = 1) -> int | None:
@@ -366,10 +367,11 @@ def _check_target(target: Any, rows: int, chunks: int, microbatch_dim: int | Non
                          "input row (pipe.step splits both into the same microbatches)")
 
 
-def _spmd_stage_count(mesh: xs.Mesh | None, stages: int | None, balance: Sequence[int] | None) -> int:
+def _spmd_stage_count(mesh: xs.Mesh | None, stages: int | None, balance: Sequence[int] | None,
+                      virtual: int) -> int:
     """The stage count of an spmd Pipe, checked against the mesh or the device count
     before the process is switched into SPMD mode."""
-    requested = _requested_stages(stages, balance)
+    requested = _requested_stages(stages, balance, virtual)
     if mesh is None:
         return mesh_shape(xr.global_runtime_device_count() if requested is None else requested)[1]
     if not isinstance(mesh, xs.Mesh) or tuple(mesh.axis_names) != ("data", "stage"):
@@ -382,8 +384,9 @@ def _spmd_stage_count(mesh: xs.Mesh | None, stages: int | None, balance: Sequenc
 
 def _spmd_partition(module: nn.Module, plan: Partition, per_stage: tuple[int, ...],
                     balance: Sequence[int] | None, sample_input: Any) -> Partition:
-    """The partition the spmd executor runs: the body spread evenly, pre on the first
-    stage and post on the last (they run data-parallel over the whole mesh)."""
+    """The partition the spmd executor runs: the body spread evenly over the model
+    stages, pre on the first and post on the last (they run data-parallel over the
+    whole mesh)."""
     repeated = plan.repeated
     blocks = [count * repeated.period for count in per_stage]
     post = sum(plan.balance) - repeated.start - repeated.period * repeated.count
@@ -391,7 +394,7 @@ def _spmd_partition(module: nn.Module, plan: Partition, per_stage: tuple[int, ..
         else [sum(plan.balance)]
     if min(per_stage) < 1:
         raise ValueError(f"stages: the model's body has {repeated.count} blocks, fewer than the "
-                         f"{len(per_stage)} stages; use at most {repeated.count} stages")
+                         f"{len(per_stage)} model stages (stages x virtual); use at most {repeated.count} of them")
     if balance is not None and list(balance) != spmd_balance:
         raise ValueError(f"balance: the spmd executor spreads the {repeated.count} blocks evenly, which gives "
                          f"balance={spmd_balance}; pass that or leave balance out")

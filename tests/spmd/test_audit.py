@@ -5,6 +5,8 @@ input/output columns together); the backward loop moves their gradients back.
 So each clock loop holds exactly 2 collective-permutes forward and 2 backward,
 run ``chunks + stages - 1`` times each: ``4 * (chunks + stages - 1)`` per step.
 "except_last" splits the clocks into two loops (recomputed, then not): 8 in all.
+The circular schedule (two rounds of the ring) runs the same loop twice as long,
+with the same permutes.
 """
 
 import pytest
@@ -21,9 +23,10 @@ DATA, STAGES = 2, 4
 LOOPS = {"never": 1, "always": 1, "except_last": 2}
 
 
-def audited_step(chunks: int, checkpoint: str):
+def audited_step(chunks: int, checkpoint: str, schedule: str = "gpipe"):
     model = tiny_lm()
-    pipe = xpipe.Pipe(model, chunks=chunks, mesh=xpipe.make_mesh(STAGES, DATA), checkpoint=checkpoint)
+    pipe = xpipe.Pipe(model, chunks=chunks, mesh=xpipe.make_mesh(STAGES, DATA), checkpoint=checkpoint,
+                      schedule=schedule, virtual=2 if schedule == "circular" else 1)
     batch, targets = batch_for(model, chunks * DATA)
 
     def step():
@@ -32,9 +35,10 @@ def audited_step(chunks: int, checkpoint: str):
     return pipe, xpipe.inspect.audit(step)
 
 
-@pytest.fixture(scope="module", params=["except_last", "never"])
+@pytest.fixture(scope="module", params=[("gpipe", "except_last"), ("gpipe", "never"), ("circular", "except_last")])
 def audits(request):
-    return {chunks: audited_step(chunks, request.param) for chunks in (8, 32)}, request.param
+    schedule, checkpoint = request.param
+    return {chunks: audited_step(chunks, checkpoint, schedule) for chunks in (8, 32)}, checkpoint
 
 
 def test_no_all_to_all_and_no_all_gather(audits):
@@ -85,3 +89,15 @@ def test_a_padding_mask_travels_in_the_streams_own_permutes():
         assert report.count("all-to-all") == 0 and report.count("all-gather") == 0, report
         permutes[len(inputs)] = report.count("collective-permute")
     assert permutes == {1: 4, 2: 4}, permutes
+
+
+def test_a_ring_of_one_slot_per_stage_closes_it_in_the_states_own_permute():
+    """Circular with as many microbatches as stages: stage 0 takes each output of the
+    last stage the very next clock, so the state's permute goes round the ring (last
+    stage to first) instead of along it; still two per clock each way."""
+    _, report = audited_step(STAGES, "never", "circular")
+    assert report.count("all-to-all") == 0 and report.count("all-gather") == 0, report
+    permutes = report.of("collective-permute")
+    assert len(permutes) == 4 and all(op.in_loop for op in permutes), report
+    wrap = (STAGES - 1) * DATA
+    assert sum(any(abs(target - source) == wrap for source, target in op.groups) for op in permutes) == 2

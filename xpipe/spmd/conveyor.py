@@ -9,25 +9,30 @@ microbatch is the executor's choice; row-wise models give the same result.
 
 Each forward clock ``t`` of the GPipe schedule:
 
-1. stage 0 takes its input from column ``t // S`` of the input buffer, every other
+1. stage 0 takes its input from column ``t // S`` of the buffer, every other
    stage takes the previous stage's output (``shift(state, 1)``);
 2. every stage runs its blocks (``[S * D, rows, F]`` in, same out);
-3. the active input column moves one stage down (``shift(column, -1)``), so
-   the next microbatch reaches stage 0; the active output column does too, and
-   the last stage writes its result into it.
+3. the column being read moves one stage towards stage 0 (``shift(column, -1)``),
+   so the next microbatch reaches stage 0; the column being written does too,
+   and the last stage writes its result into its bottom slot.
 
 Both column moves travel in one collective-permute, the state in another: two
-per clock, and their mirror images in the backward loop.
+per clock, and their mirror images in the backward loop. The output of
+microbatch ``m`` is written ``S`` times as its column moves, and comes to rest
+in the very slot its input started in: the buffer ends the step as a plain view
+of the output batch. A column is read empty from the top before it is written
+from the bottom, so inputs and outputs share the one buffer.
+
+A circular schedule (``V`` rounds of the ring) runs the same loop ``V * M``
+clocks long: in later rounds stage 0 reads the outputs of the round before,
+which rest in their slots until their turn (see :func:`column_tables`).
 
 Idle cells (a stage before its first microbatch arrives, or after its last has
 left) still compute, and their results are dropped. They run on real rows (the
 state starts as a copy of each device's first slot; in the drain stage 0 re-reads
 a column), never on zeros: an all-zero attention mask that travels with the
 stream would mask every key, and the NaN of such a softmax survives being
-multiplied by a zero gradient. The output column of
-microbatch ``m`` is written ``S`` times as it moves, and comes to rest in the
-very slot its input started in; so the output buffer is again a plain view of
-the batch.
+multiplied by a zero gradient.
 """
 
 from __future__ import annotations
@@ -38,7 +43,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from xpipe.collectives import shift
+from xpipe.collectives import rotate, shift
 from xpipe.schedule import FORWARD, Schedule
 
 
@@ -107,49 +112,76 @@ def _pad(x: torch.Tensor, dim: int, size: int) -> torch.Tensor:
     return torch.cat([x, last.expand(*x.shape[:dim], missing, *x.shape[dim + 1:])], dim)
 
 
-def column_tables(schedule: Schedule, layout: Layout) -> tuple[np.ndarray, np.ndarray]:
-    """One-hot input and output columns per forward clock, ``[clocks, R]`` each.
+@dataclass(frozen=True)
+class ClockTables:
+    """What the conveyor does at each forward clock ``t`` of a step (``T`` clocks)."""
 
-    Row ``t`` of the input table marks the column stage 0 reads at clock ``t``
-    (none in the drain); row ``t`` of the output table marks the column the last
-    stage writes (none in the fill).
+    reads: np.ndarray  # [T, R] one-hot: the buffer column stage 0 reads (none in the drain, or off the ring)
+    writes: np.ndarray  # [T, R] one-hot: the buffer column the last stage writes (none in the fill)
+    from_ring: np.ndarray  # [T]: 1 where stage 0 takes what the last stage made one clock before
+    rounds: np.ndarray  # [T, S] int: the round of the ring each stage runs (clamped in idle cells)
+
+
+def column_tables(schedule: Schedule, layout: Layout) -> ClockTables:
+    """The conveyor's tables for ``schedule``: GPipe's fill-drain, or circular's
+    ``V`` rounds of it back to back.
+
+    Each clock stage 0 reads the next microbatch: in the first round from the
+    buffer; in later ones the last stage's output of round ``v - 1``. That output
+    is written into the buffer as in the last round, where it rests in its
+    microbatch's own slot until stage 0 reads it again ``M`` clocks after it
+    entered (reading a column empties it from the top as writing fills it from
+    the bottom, so one buffer serves both). With one slot per stage (``M = S``)
+    the output is needed the very next clock, before it could climb back up the
+    column; stage 0 then takes it straight off the ring.
 
     Raises:
-        ValueError: if the schedule's forward is not the fill-drain wavefront
-            (stage ``s`` runs microbatch ``t - s`` at clock ``t``) this conveyor runs.
+        ValueError: if the schedule's forward is not the wavefront this conveyor
+            runs (stage ``s`` runs round ``(t - s) // M``, microbatch ``(t - s) % M``
+            at clock ``t``, rounds back to back).
     """
     rows = schedule.forward_clocks()
-    last = layout.stages - 1
-    inputs = np.zeros((len(rows), layout.slots), np.float32)
-    outputs = np.zeros((len(rows), layout.slots), np.float32)
+    stages, chunks, rounds = layout.stages, layout.padded_chunks, schedule.virtual
+    span = rounds * chunks  # clocks stage 0 works
+    tables = ClockTables(np.zeros((len(rows), layout.slots), np.float32),
+                         np.zeros((len(rows), layout.slots), np.float32),
+                         np.zeros(len(rows), np.float32), np.zeros((len(rows), stages), np.int64))
     for clock, row in enumerate(rows):
         for stage, action in enumerate(row):
-            expected = clock - stage
-            running = action.microbatch if action is not None and action.kind == FORWARD else None
-            if running != (expected if 0 <= expected < layout.padded_chunks else None):
-                raise ValueError(f"schedule: the spmd executor runs fill-drain forwards; {schedule.name!r} "
-                                 f"runs {action} on stage {stage} at clock {clock}")
-        if clock < layout.padded_chunks:
-            inputs[clock, clock // layout.stages] = 1
-        if clock >= last:
-            outputs[clock, (clock - last) // layout.stages] = 1
-    return inputs, outputs
+            cell = clock - stage
+            expected = (cell // chunks * stages + stage, cell % chunks) if 0 <= cell < span else None
+            running = (action.stage, action.microbatch) if action is not None and action.kind == FORWARD else None
+            if running != expected:
+                raise ValueError(f"schedule: the spmd executor runs fill-drain forwards round the stage ring; "
+                                 f"{schedule.name!r} runs {action} on rank {stage} at clock {clock}")
+            tables.rounds[clock, stage] = min(max(cell, 0) // chunks, rounds - 1)
+        if clock < span and (clock < stages or layout.slots > 1):
+            tables.reads[clock, clock % chunks // stages] = 1
+        elif clock < span:
+            tables.from_ring[clock] = 1
+        if stages - 1 <= clock < span + stages - 1:
+            tables.writes[clock, (clock - stages + 1) % chunks // stages] = 1
+    return tables
 
 
-StageFn = Callable[[tuple[torch.Tensor, ...], torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+StageFn = Callable[..., torch.Tensor]
 
 
-def make_tick(stages: int, data: int, run_stages: StageFn) -> Callable:
+def make_tick(stages: int, data: int, run_stages: StageFn, ring: bool = False) -> Callable:
     """The body of the clock loop, for ``torch_xla.experimental.scan``.
 
     Every tensor's dim 0 is the mesh's ``S * D`` devices, stage-major, so moving
     a slice one stage on is a shift by ``D`` places. Carry:
-    ``(state [S*D, rows, F], inputs [S*D, R, rows, F], outputs [S*D, R, rows, F],
-    valid [S*D, K], weights)``; per clock: the one-hot input and output columns ``[R]``
-    and the int32 key of the cell each device runs ``[S*D]`` (for dropout masks).
+    ``(state [S*D, rows, F], buffer [S*D, R, rows, F], valid [S*D, V, K], weights)``;
+    per clock: the one-hot read and write columns ``[R]``, the ring flag ``[]``,
+    each device's one-hot round ``[S*D, V]`` and the int32 key of the cell it runs
+    ``[S*D]`` (for dropout masks). ``ring``: the state moves round the ring (the
+    last stage's to stage 0), for circular schedules that take it from there.
     """
 
-    def next_stage(x: torch.Tensor, direction: int) -> torch.Tensor:
+    def next_stage(x: torch.Tensor, direction: int, around: bool = False) -> torch.Tensor:
+        if around:
+            return rotate(x, direction * data)
         if stages > 1:
             return shift(x, direction * data)
         # Nothing moves with one stage; ``x * 0`` (not zeros_like) keeps every carry
@@ -157,23 +189,25 @@ def make_tick(stages: int, data: int, run_stages: StageFn) -> Callable:
         return x * 0
 
     def tick(carry, columns):
-        state, inputs, outputs, valid, weights = carry
-        read, write, keys = columns
+        state, buffer, valid, weights = carry
+        read, write, from_ring, rounds, keys = columns
         device = torch.arange(stages * data, device=state.device)
         first = (device < data).view(-1, *[1] * (state.dim() - 1))
         last = (device >= (stages - 1) * data).view(-1, *[1] * (state.dim() - 1))
-        read_mask = _column_mask(read, inputs)
-        write_mask = _column_mask(write, outputs)
+        read_mask = _column_mask(read, buffer)
+        write_mask = _column_mask(write, buffer)
         # In the drain no microbatch enters; stage 0 runs a column it already ran instead
         # of zeros, whose result is dropped (see the module docstring on idle cells).
-        entering = torch.where(read.sum() > 0, (inputs * read_mask).sum(1), inputs[:, 0])  # [S*D, rows, F]
-        leaving = (outputs * write_mask).sum(1)
-        state = run_stages(weights, valid, torch.where(first, entering, next_stage(state, 1)), keys)
+        entering = torch.where(read.sum() > 0, (buffer * read_mask).sum(1), buffer[:, 0])  # [S*D, rows, F]
+        leaving = (buffer * write_mask).sum(1)
+        previous = next_stage(state, 1, ring)
+        entering_now = torch.where(from_ring > 0, previous, entering)
+        state = run_stages(weights, valid, torch.where(first, entering_now, previous), rounds, keys)
         moved = next_stage(torch.stack([entering, leaving], 1), -1)  # both columns, one permute
         leaving = torch.where(last, state, moved[:, 1])
-        inputs = torch.where(read_mask > 0, moved[:, 0].unsqueeze(1), inputs)
-        outputs = torch.where(write_mask > 0, leaving.unsqueeze(1), outputs)
-        return (state, inputs, outputs, valid, weights), None
+        buffer = torch.where(read_mask > 0, moved[:, 0].unsqueeze(1), buffer)
+        buffer = torch.where(write_mask > 0, leaving.unsqueeze(1), buffer)
+        return (state, buffer, valid, weights), None
 
     return tick
 

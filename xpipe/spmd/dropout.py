@@ -42,8 +42,9 @@ def mix(x: torch.Tensor) -> torch.Tensor:
 def cell_keys(seed: torch.Tensor, clocks: torch.Tensor, stages: int, data: int) -> torch.Tensor:
     """``[T, S * D]`` int32 keys: the cell that row ``s * D + d`` runs at each clock.
 
-    Stage ``s`` runs microbatch ``clock - s`` (fill-drain), so the key names
-    (seed, stage, replica, microbatch) and a recomputation of the cell finds it again.
+    Stage ``s`` runs cell ``clock - s`` (fill-drain: the microbatch, counted on
+    through the rounds of a circular schedule), so the key names (seed, stage,
+    replica, cell) and a recomputation of the cell finds it again.
     """
     row = torch.arange(stages * data, dtype=torch.int32, device=clocks.device)
     microbatch = clocks.to(torch.int32).view(-1, 1) - row.div(data, rounding_mode="floor").view(1, -1)

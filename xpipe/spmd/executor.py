@@ -1,9 +1,11 @@
 """The SPMD executor: one XLA program per step over a ("data", "stage") mesh.
 
-The repeated body's weights are stacked ``[S, K, ...]`` (``K`` blocks per stage)
-and sharded on "stage"; the layers before and after the body run data-parallel
-over the whole mesh. The GPipe clock loop is one ``torch_xla.experimental.scan``
-(an XLA while loop), so the program does not grow with the number of microbatches.
+The repeated body's weights are stacked ``[S, V * K, ...]`` (``K`` blocks per
+model stage, ``V`` model stages per stage group for a circular schedule) and
+sharded on "stage"; the layers before and after the body run data-parallel over
+the whole mesh. The clock loop (GPipe's, or circular's ``V`` rounds of it) is one
+``torch_xla.experimental.scan`` (an XLA while loop), so the program does not grow
+with the number of microbatches.
 
 Inside the loop every operation is local to a device except the two shifts of
 :mod:`xpipe.spmd.conveyor`. The stage weights enter the loop already replicated
@@ -28,7 +30,7 @@ from xpipe._batch import check_outputs
 from xpipe._batchnorm import RunningStatistics
 from xpipe._xla import to_host
 from xpipe.checkpoint import kept_cells, recompute
-from xpipe.schedule import Schedule, gpipe
+from xpipe.schedule import Schedule, circular, gpipe
 from xpipe.spmd.conveyor import Layout, column_tables, from_slots, make_layout, make_tick, to_slots
 from xpipe.spmd.dropout import cell_keys, hashed_dropout
 from xpipe.spmd.lowering import ShardableOps
@@ -36,10 +38,11 @@ from xpipe.spmd.sides import Packing, packing_for
 from xpipe.spmd.stacking import StackedModel
 
 BATCH_AXES = ("stage", "data")  # a batch dim sharded over the whole mesh, stage-major
+SCHEDULES = ("gpipe", "circular")  # the schedules whose clock loop this executor runs
 
 
 class SpmdPipeline(nn.Module):
-    """Runs a :class:`StackedModel` as a GPipe pipeline under SPMD.
+    """Runs a :class:`StackedModel` as a GPipe (or circular) pipeline under SPMD.
 
     Args:
         stacked: the model cut around its repeated body.
@@ -49,10 +52,12 @@ class SpmdPipeline(nn.Module):
         device: the SPMD XLA device.
         keys: the wrapped module's ``state_dict`` keys, in order, each with the keys
             that name the same tensor (tied weights).
+        rounds: model stages per stage group: 1 for GPipe, ``V`` for the circular
+            schedule (model stage ``j`` on stage ``j % S``).
     """
 
     def __init__(self, stacked: StackedModel, mesh: xs.Mesh, chunks: int, checkpoint: str,
-                 device: torch.device, keys: dict[str, tuple[str, ...]]) -> None:
+                 device: torch.device, keys: dict[str, tuple[str, ...]], rounds: int = 1) -> None:
         super().__init__()
         self.mesh = mesh
         self.stages = mesh.mesh_shape[1]
@@ -69,12 +74,13 @@ class SpmdPipeline(nn.Module):
         self.side_rows = stacked.side_rows  # per side input: travels with its microbatch, or held whole
         self.exported = stacked.exported
         self.block_count = len(stacked.blocks)
-        self.per_stage = spread(self.block_count, self.stages)
-        self.depth = max(self.per_stage)  # K: block slots per stage
+        self.rounds = rounds  # V: model stages per stage group, run round the ring (circular)
+        self.per_stage = spread(self.block_count, self.stages * rounds)  # per model stage
+        self.depth = max(self.per_stage)  # K: block slots per model stage
         self._template = [stacked.blocks[0]]  # kept out of the module tree: its weights are not ours
         self._block_parameters = [list(block.named_parameters()) for block in stacked.blocks]
         self._frozen = [[not p.requires_grad for _, p in named] for named in self._block_parameters]
-        self.body = StackedWeights.from_blocks(stacked.blocks, self._slots(), device, mesh)
+        self.body = StackedWeights.from_blocks(stacked.blocks, self._slots(), rounds * self.depth, device, mesh)
         self._sources, self._traced_name = _state_sources(stacked, keys)
         self._holders: dict[int, list[tuple[str, Callable]]] | None = None  # see named_slices
         self._ticks: dict[tuple, Callable] = {}
@@ -86,8 +92,11 @@ class SpmdPipeline(nn.Module):
         return self
 
     def _slots(self) -> list[tuple[int, int]]:
-        """The (stage, slot) of each block of the body, in order."""
-        return [(stage, slot) for stage, count in enumerate(self.per_stage) for slot in range(count)]
+        """The (stage, slot) of each block of the body, in order: model stage ``j``
+        runs on stage ``j % S`` in round ``j // S``, whose blocks fill slots
+        ``round * K`` to ``round * K + K - 1``."""
+        return [(model_stage % self.stages, model_stage // self.stages * self.depth + slot)
+                for model_stage, count in enumerate(self.per_stage) for slot in range(count)]
 
     @property
     def input_names(self) -> tuple[str, ...]:
@@ -188,23 +197,31 @@ class SpmdPipeline(nn.Module):
 
     def _run_clocks(self, slots: torch.Tensor, layout: Layout, packing: Packing,
                     constants: tuple[torch.Tensor, ...]) -> torch.Tensor:
-        schedule = gpipe(self.stages, layout.padded_chunks)
-        inputs, outputs = (torch.tensor(t, device=slots.device, dtype=slots.dtype)
-                           for t in column_tables(schedule, layout))
-        clocks = torch.arange(len(inputs), dtype=torch.int32, device=slots.device)
+        schedule = self.schedule_for(layout.padded_chunks)
+        tables = column_tables(schedule, layout)
+        reads, writes, from_ring = (torch.tensor(t, device=slots.device, dtype=slots.dtype)
+                                    for t in (tables.reads, tables.writes, tables.from_ring))
+        rounds = torch.nn.functional.one_hot(torch.tensor(tables.rounds), self.rounds)  # [T, S, V]
+        rounds = rounds.repeat_interleave(self.data, 1).to(slots.device, slots.dtype)  # [T, S * D, V]
+        clocks = torch.arange(len(reads), dtype=torch.int32, device=slots.device)
         keys = cell_keys(self._step_seed(slots.device), clocks, self.stages, self.data)
         state = self._shard_batch(slots[:, 0].clone())  # idle cells run real rows (see conveyor)
-        finished = self._shard_batch(torch.zeros_like(slots))
         valid = self._shard_batch(self._valid_mask(slots))
         weights = tuple(self._shard_batch(self._per_replica(w)) for w in self.body.effective_weights())
         weights += tuple(self._shard_batch(self._per_device(c)) for c in constants)  # they ride along
-        carry = (state, slots, finished, valid, weights)
+        carry = (state, slots, valid, weights)
         plain_from = _first_kept_clock(schedule, self.checkpoint)
-        for start, end, recomputed in ((0, plain_from, True), (plain_from, len(inputs), False)):
+        ring = bool(tables.from_ring.any())
+        for start, end, recomputed in ((0, plain_from, True), (plain_from, len(reads), False)):
             if end > start:
-                columns = (inputs[start:end], outputs[start:end], keys[start:end])
-                carry, _ = scan(self._tick(recomputed, packing), carry, columns, is_fn_pure=True)
-        return carry[2]
+                columns = (reads[start:end], writes[start:end], from_ring[start:end], rounds[start:end],
+                           keys[start:end])
+                carry, _ = scan(self._tick(recomputed, packing, ring), carry, columns, is_fn_pure=True)
+        return carry[1]
+
+    def schedule_for(self, chunks: int) -> Schedule:
+        """The schedule the clock loop runs for ``chunks`` (padded) microbatches."""
+        return gpipe(self.stages, chunks) if self.rounds == 1 else circular(self.stages, chunks, self.rounds)
 
     def _step_seed(self, device: torch.device) -> torch.Tensor:
         """A seed for this step's dropout masks, from torch's default generator
@@ -213,48 +230,60 @@ class SpmdPipeline(nn.Module):
             return torch.zeros((), dtype=torch.int32, device=device)
         return torch.randint(0, 2**31 - 1, (), dtype=torch.int32).to(device)
 
-    def _tick(self, recomputed: bool, packing: Packing) -> Callable:
+    def _tick(self, recomputed: bool, packing: Packing, ring: bool) -> Callable:
         """The loop body for one stream packing; kept, so that scan's trace cache finds it again."""
         modes = tuple(module.training for module in self._template[0].modules())  # dropout on or off
-        key = (recomputed, packing, modes)
+        key = (recomputed, packing, modes, ring)
         if key not in self._ticks:
             run = partial(self._run_stages, packing)
             stages = partial(self._recomputed_stages, run) if recomputed else run
-            self._ticks[key] = make_tick(self.stages, self.data, stages)
+            self._ticks[key] = make_tick(self.stages, self.data, stages, ring)
         return self._ticks[key]
 
-    def _run_stages(self, packing: Packing, weights: tuple[torch.Tensor, ...],
-                    valid: torch.Tensor, state: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    def _run_stages(self, packing: Packing, weights: tuple[torch.Tensor, ...], valid: torch.Tensor,
+                    state: torch.Tensor, rounds: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
         """All stages on all data replicas at once: ``[S * D, rows, F] -> same``."""
-        return torch.vmap(partial(self._run_one_stage, packing))(weights, valid, state, keys)
+        return torch.vmap(partial(self._run_one_stage, packing))(weights, valid, state, rounds, keys)
 
     @staticmethod
     def _recomputed_stages(run: Callable, weights: tuple[torch.Tensor, ...], valid: torch.Tensor,
-                           state: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-        return recompute(lambda v, s, k, *w: run(w, v, s, k), valid, state, keys, *weights)
+                           state: torch.Tensor, rounds: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+        return recompute(lambda v, s, r, k, *w: run(w, v, s, r, k), valid, state, rounds, keys, *weights)
 
     def _run_one_stage(self, packing: Packing, weights: tuple[torch.Tensor, ...], valid: torch.Tensor,
-                       x: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
-        """One stage's ``K`` block slots on one replica; empty slots pass the stream through.
+                       x: torch.Tensor, round_: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
+        """One stage's ``K`` block slots of its current round on one replica; empty
+        slots pass the stream through.
 
         ``x`` is ``[rows, F]``: the stream and the per-row side inputs, packed;
-        ``weights`` each block weight ``[K, numel]``, then the constant side inputs;
-        ``key`` the int32 key of the cell (see :mod:`xpipe.spmd.dropout`).
+        ``weights`` each block weight ``[V * K, numel]``, then the constant side inputs;
+        ``valid`` ``[V * K]``; ``round_`` the one-hot round ``[V]``; ``key`` the int32
+        key of the cell (see :mod:`xpipe.spmd.dropout`).
         """
         stream, *per_row = packing.unpack(x)
         per_row, constants = iter(per_row), iter(weights[len(self.body.names):])
         sides = [next(per_row) if rows else next(constants) for rows in self.side_rows]
+        valid, *blocks = (self._of_round(w, round_) for w in (valid, *weights[:len(self.body.names)]))
         for slot in range(self.depth):
-            params = {name: w[slot].view(shape)
-                      for name, w, shape in zip(self.body.names, weights, self.body.shapes)}
+            params = {name: w[slot].view(shape) for name, w, shape in zip(self.body.names, blocks, self.body.shapes)}
             with ShardableOps(), hashed_dropout(key, slot):
                 y = functional_call(self._template[0], params, (stream, *sides))
             stream = torch.where(valid[slot] > 0, y, stream)
         return packing.with_stream(x, stream)
 
+    def _of_round(self, slots: torch.Tensor, round_: torch.Tensor) -> torch.Tensor:
+        """``[V * K, ...] -> [K, ...]``: the slots of the round ``round_`` (one-hot ``[V]``)
+        names; by a product, not an index, so that every device's pick stays local."""
+        if self.rounds == 1:
+            return slots
+        per_round = slots.unflatten(0, (self.rounds, self.depth))
+        return (per_round * round_.view(-1, *[1] * (per_round.dim() - 1))).sum(0)
+
     def _valid_mask(self, like: torch.Tensor) -> torch.Tensor:
-        """``[S * D, K]``: 1 where a stage's slot holds a block, 0 for padding slots."""
-        mask = torch.tensor([[1.0 if k < n else 0.0 for k in range(self.depth)] for n in self.per_stage])
+        """``[S * D, V * K]``: 1 where a stage's slot holds a block, 0 for padding slots."""
+        mask = torch.zeros(self.stages, self.rounds * self.depth)
+        for stage, slot in self._slots():
+            mask[stage, slot] = 1
         return self._per_replica(mask.to(like.device, like.dtype))
 
     def _per_replica(self, per_stage: torch.Tensor) -> torch.Tensor:
@@ -296,12 +325,13 @@ class StackedWeights(nn.Module):
         self.frozen_slots: dict[str, set[tuple[int, int]]] = {}  # name -> (stage, slot)s it freezes
 
     @classmethod
-    def from_blocks(cls, blocks: list[torch.fx.GraphModule], slots: list[tuple[int, int]],
+    def from_blocks(cls, blocks: list[torch.fx.GraphModule], slots: list[tuple[int, int]], depth: int,
                     device: torch.device, mesh: xs.Mesh) -> StackedWeights:
+        """Stack ``blocks`` into ``[S, depth, numel]`` tensors, block ``i`` at ``slots[i]``."""
         named = [list(block.named_parameters()) for block in blocks]
         names = [name for name, _ in named[0]]
         module = cls(names, [p.shape for _, p in named[0]], slots)
-        stages, depth = max(s for s, _ in slots) + 1, max(k for _, k in slots) + 1
+        stages = max(s for s, _ in slots) + 1
         for index, name in enumerate(names):
             values = [parameters[index][1] for parameters in named]
             grid = torch.zeros(stages, depth, values[0].numel(), dtype=values[0].dtype)

@@ -153,6 +153,9 @@ class Pipe(nn.Module):
         self.schedule: Schedule = by_name(schedule, stages, self.chunks, self.virtual)
         plan = partition(module, stages, sample_input=sample_input)
         stacked = cut_for_stacking(module, plan, sample_input)
+        if len(stacked.blocks) < stages:
+            raise ValueError(f"stages: the model's body has {len(stacked.blocks)} blocks, fewer than the {stages} "
+                             f"stages; use at most {len(stacked.blocks)} stages")
         self.partition: Partition = _spmd_partition(module, plan, spread(len(stacked.blocks), stages * self.virtual),
                                                     balance, sample_input)
         self.mesh = mesh if mesh is not None else make_mesh(stages)  # the process enters SPMD mode here
@@ -392,9 +395,10 @@ def _spmd_partition(module: nn.Module, plan: Partition, per_stage: tuple[int, ..
     post = sum(plan.balance) - repeated.start - repeated.period * repeated.count
     spmd_balance = [blocks[0] + repeated.start, *blocks[1:-1], blocks[-1] + post] if len(blocks) > 1 \
         else [sum(plan.balance)]
-    if min(per_stage) < 1:
-        raise ValueError(f"stages: the model's body has {repeated.count} blocks, fewer than the "
-                         f"{len(per_stage)} model stages (stages x virtual); use at most {repeated.count} of them")
+    if min(spmd_balance) < 1:
+        raise ValueError(f"virtual: the model's body has {repeated.count} blocks, too few for "
+                         f"{len(per_stage)} model stages (stages x virtual) to hold a layer each; use a smaller "
+                         "virtual")
     if balance is not None and list(balance) != spmd_balance:
         raise ValueError(f"balance: the spmd executor spreads the {repeated.count} blocks evenly, which gives "
                          f"balance={spmd_balance}; pass that or leave balance out")

@@ -3,6 +3,7 @@
     python examples/train_lm.py                         # 200 steps, 2 (data) x 4 (stage) mesh
     python examples/train_lm.py --steps 1000 --checkpoint-dir runs/lm
     python examples/train_lm.py --steps 2000 --checkpoint-dir runs/lm --resume
+    python examples/train_lm.py --schedule circular --virtual 2   # 2 rounds of the stage ring, spmd
     python examples/train_lm.py --schedule 1f1b --stages 4   # the devices executor
 
 The text is the standard library's ``.py`` files (on every machine, nothing to
@@ -39,6 +40,7 @@ import xpipe.data  # noqa: E402
 from xpipe.models import transformer_lm  # noqa: E402
 
 VOCAB = 256  # bytes
+SPMD = ("gpipe", "circular")  # the schedules the spmd executor runs; the others run on one device per stage
 
 
 def read_corpus(limit: int = 2_000_000) -> torch.Tensor:
@@ -94,8 +96,8 @@ def run(options: argparse.Namespace) -> dict[str, list]:
     """Train as ``options`` say; returns the history (step losses, validation losses)."""
     train_text, valid_text = split(read_corpus())
     pipe = xpipe.Pipe(build_model(options), chunks=options.chunks, stages=options.stages,
-                      schedule=options.schedule, loss_fn=next_byte_loss,
-                      mesh=xpipe.make_mesh(options.stages, options.data) if options.schedule == "gpipe" else None)
+                      schedule=options.schedule, virtual=options.virtual, loss_fn=next_byte_loss,
+                      mesh=xpipe.make_mesh(options.stages, options.data) if options.schedule in SPMD else None)
     optimizer = torch.optim.AdamW(pipe.parameters(), lr=options.lr)
     history: dict[str, list] = {"step": [], "loss": [], "valid_step": [], "valid_loss": []}
     first = 1
@@ -184,7 +186,10 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--chunks", type=int, default=8, help="microbatches per step (default 8)")
     parser.add_argument("--micro-batch", type=int, default=4, help="rows per microbatch and replica (default 4)")
     parser.add_argument("--schedule", default="gpipe",
-                        help="gpipe (spmd executor) or 1f1b, zb-h1 (devices executor); default gpipe")
+                        help="gpipe, circular (spmd executor) or 1f1b, zb-h1, interleaved (devices executor); "
+                             "default gpipe")
+    parser.add_argument("--virtual", type=int, default=1,
+                        help="model stages per stage group, for circular and interleaved (default 1)")
     parser.add_argument("--seq", type=int, default=64, help="bytes per sequence (default 64)")
     parser.add_argument("--width", type=int, default=128, help="model width (default 128)")
     parser.add_argument("--lr", type=float, default=2e-3)

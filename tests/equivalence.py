@@ -10,6 +10,7 @@ import torch_xla
 import torch_xla.debug.metrics as metrics
 
 import xpipe
+from xpipe import checkpoints
 
 # fp32 on both sides; the pipeline sums microbatch gradients in another order.
 RTOL, ATOL = 1e-4, 1e-5
@@ -90,3 +91,14 @@ def step_losses(pipe: xpipe.Pipe, optimizer: torch.optim.Optimizer, data) -> lis
         optimizer.zero_grad()
         torch_xla.sync()
     return [loss.item() for loss in losses]
+
+
+def assert_loads_exactly(folder, saved: dict[str, torch.Tensor],
+                         *targets: tuple[torch.nn.Module, torch.optim.Optimizer]) -> None:
+    """The checkpoint in ``folder`` loads into each (model, optimizer), Pipes of any
+    layout and plain modules alike, with every tensor of ``saved`` bit-equal."""
+    for model, optimizer in targets:
+        (xpipe.load if isinstance(model, xpipe.Pipe) else checkpoints.load_plain)(folder, model, optimizer)
+        state = model.state_dict()
+        for key, value in saved.items():
+            assert torch.equal(state[key].cpu(), value), f"{key} loaded into {type(model).__name__}"

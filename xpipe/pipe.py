@@ -96,7 +96,9 @@ class Pipe(nn.Module):
 
     Attributes:
         partition: the :class:`xpipe.Partition` in use.
-        schedule: the :class:`xpipe.schedule.Schedule` of one step.
+        schedule: the :class:`xpipe.schedule.Schedule` every step runs (under spmd,
+            ``chunks`` rounded up to a multiple of the stages: the padding
+            microbatches run too).
         executor: ``"spmd"`` or ``"devices"``, the one chosen.
         devices: the XLA devices in use, in stage order; the output is on ``devices[-1]``.
 
@@ -166,6 +168,7 @@ class Pipe(nn.Module):
             place_constants_on(piece, device)
         self.runner = SpmdPipeline(stacked, self.mesh, self.chunks, self.checkpoint, device, _tie_groups(module),
                                    self.virtual)
+        self.schedule = self.runner.schedule  # chunks rounded up to a multiple of stages, as it runs
         retire(module, [p for block in stacked.blocks for p in block.parameters()])
 
     def _build_devices(self, module: nn.Module, balance: Sequence[int] | None, mesh: xs.Mesh | None,

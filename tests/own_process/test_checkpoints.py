@@ -16,7 +16,7 @@ import torch_xla
 
 import xpipe
 from xpipe import checkpoints
-from equivalence import step_losses
+from equivalence import assert_loads_exactly, step_losses
 from fresh_process import call_in_fresh_process
 from xpipe.models import mlp_stack, resnet_like, small_cnn
 
@@ -99,11 +99,7 @@ def test_another_stage_count_and_the_plain_model_load_it(tmp_path):
     four, four_optimizer = make(resnet_like(), stages=4)
     plain = resnet_like()
     plain_optimizer = torch.optim.AdamW(plain.parameters(), lr=1e-3, weight_decay=0.1)
-    xpipe.load(tmp_path / "ckpt", four, four_optimizer)
-    checkpoints.load_plain(tmp_path / "ckpt", plain, plain_optimizer)
-    for key, value in saved.items():
-        assert torch.equal(four.state_dict()[key].cpu(), value), key
-        assert torch.equal(plain.state_dict()[key], value), key
+    assert_loads_exactly(tmp_path / "ckpt", saved, (four, four_optimizer), (plain, plain_optimizer))
     batch, target = data[2]
     expected = F.cross_entropy(plain(batch), target)
     expected.backward()

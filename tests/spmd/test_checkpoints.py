@@ -8,8 +8,7 @@ import torch
 import torch_xla
 
 import xpipe
-from xpipe import checkpoints
-from equivalence import step_losses
+from equivalence import assert_loads_exactly, step_losses
 from fresh_process import call_in_fresh_process
 from pipe_checks import batch_for, loss_of, tiny_lm
 
@@ -40,19 +39,11 @@ def test_resume_on_2x4_then_load_into_4x2_1x8_and_the_plain_model(tmp_path):
         torch.testing.assert_close(resumed.state_dict()[key].cpu(), value.cpu(), **EXACT, msg=key)
 
     two_stages, two_stages_optimizer = make(tiny_lm(), 2, 4, chunks=2)  # 4 (data) x 2 (stage); 8 rows
-    xpipe.load(tmp_path / "ckpt", two_stages, two_stages_optimizer)
-    loaded = two_stages.host_state_dict()
-    for key, value in saved.items():
-        assert torch.equal(loaded[key], value), key
-
     eight, eight_optimizer = make(tiny_lm(), 8, 1)
     plain = tiny_lm()
     plain_optimizer = torch.optim.AdamW(plain.parameters(), lr=1e-2, weight_decay=0.1)
-    xpipe.load(tmp_path / "ckpt", eight, eight_optimizer)
-    checkpoints.load_plain(tmp_path / "ckpt", plain, plain_optimizer)
-    for key, value in saved.items():
-        assert torch.equal(eight.state_dict()[key].cpu(), value), key
-        assert torch.equal(plain.state_dict()[key], value), key
+    assert_loads_exactly(tmp_path / "ckpt", saved, (two_stages, two_stages_optimizer), (eight, eight_optimizer),
+                         (plain, plain_optimizer))
     # The next steps, each after an AdamW update from the loaded state: the same
     # losses. (Weights are not compared after them: Adam's update of a
     # numerically-zero gradient, m / sqrt(v), is decided by rounding.)

@@ -69,40 +69,16 @@ def test_gpt2_trains_with_its_dropout():
     assert losses[-1] < losses[0] - 0.1, losses
 
 
-def test_llama_in_bfloat16_compiles_once_and_stays_near_float32():
-    """bf16 weights and activations through the clock loop, SGD on them: 5 steps; the
-    first loss within bf16's precision of the float32 model's.
+def test_llama_in_bfloat16_with_float32_master_weights_tracks_float32_training():
+    """Mixed precision as a user sets it up: the pipelined model in bf16 (weights and
+    activations through the clock loop), AdamW on float32 copies of its weights
+    (gradients cast up, updated weights cast down). 5 steps: each loss within 1% of
+    the float32 model's trained the same way (measured: at most 0.2%).
 
     No compile after the second step. The second compiles once more: its lm_head
     backward reads the weight through a fresh transpose instead of the forward's.
     The same Llama unpipelined under SPMD (8-way data parallel, bf16, SGD) does
     the same (compiles after each step: 2, 3, 3, 3, 3); in float32 neither does."""
-    ids, mask = tokens(8, 8), padding_mask(8)
-    targets = tokens(8, 8).roll(1, 1)
-    model = llama().to(torch.bfloat16)
-    pipe = xpipe.Pipe(model, chunks=4, mesh=xpipe.make_mesh(4, 2),
-                      sample_input={"input_ids": ids[:2], "attention_mask": mask[:2]})
-    assert pipe.runner.body.weights[0].dtype == torch.bfloat16
-    optimizer = torch.optim.SGD(pipe.parameters(), lr=0.5)
-    device_targets = targets.to(pipe.devices[0])
-
-    def loss():
-        logits = pipe(input_ids=ids, attention_mask=mask).logits
-        return torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), device_targets.flatten())
-
-    losses, compiles = train_steps(loss, optimizer)
-    assert compiles[1] - compiles[0] <= 1 and compiles[2:] == [compiles[1]] * 3, f"compiles: {compiles}"
-    logits = llama()(input_ids=ids, attention_mask=mask).logits
-    expected = torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten()).item()
-    assert abs(losses[0] - expected) < 2e-2 * expected, (losses[0], expected)  # bf16: 8 mantissa bits
-    assert losses[-1] < losses[0], losses
-
-
-def test_llama_in_bfloat16_with_float32_master_weights_tracks_float32_training():
-    """Mixed precision as a user sets it up: the pipelined model in bf16, AdamW on
-    float32 copies of its weights (gradients cast up, updated weights cast down).
-    5 steps: each loss within 1% of the float32 model's trained the same way
-    (measured: at most 0.2%), and no compile after the second step."""
     ids, mask = tokens(8, 8), padding_mask(8)
     targets = tokens(8, 8).roll(1, 1)
     reference = llama()

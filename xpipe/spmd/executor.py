@@ -120,9 +120,10 @@ class SpmdPipeline(nn.Module):
             places[key] = self.body.block_place(*source) if isinstance(source, tuple) else None
         holders = {id(place[0]): place[0] for place in places.values() if place is not None}
         singles = [key for key, place in places.items() if place is None]
-        fetched = to_host(list(holders.values()) + [self.state_tensor(key) for key in singles])
-        whole = dict(zip(list(holders) + singles, fetched))
-        return {key: whole[key] if place is None else whole[id(place[0])][place[1]].view(place[2]).clone()
+        fetched = iter(to_host(list(holders.values()) + [self.state_tensor(key) for key in singles]))
+        stacked = {holder: next(fetched) for holder in holders}  # by id of the stacked tensor
+        single = {key: next(fetched) for key in singles}
+        return {key: single[key] if place is None else stacked[id(place[0])][place[1]].view(place[2]).clone()
                 for key, place in places.items()}
 
     def named_slices(self, parameter: torch.Tensor, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
@@ -197,7 +198,7 @@ class SpmdPipeline(nn.Module):
 
     def _run_clocks(self, slots: torch.Tensor, layout: Layout, packing: Packing,
                     constants: tuple[torch.Tensor, ...]) -> torch.Tensor:
-        schedule = self.schedule_for(layout.padded_chunks)
+        schedule = self._schedule_for(layout.padded_chunks)
         tables = column_tables(schedule, layout)
         reads, writes, from_ring = (torch.tensor(t, device=slots.device, dtype=slots.dtype)
                                     for t in (tables.reads, tables.writes, tables.from_ring))
@@ -219,8 +220,13 @@ class SpmdPipeline(nn.Module):
                 carry, _ = scan(self._tick(recomputed, packing, ring), carry, columns, is_fn_pure=True)
         return carry[1]
 
-    def schedule_for(self, chunks: int) -> Schedule:
-        """The schedule the clock loop runs for ``chunks`` (padded) microbatches."""
+    @property
+    def schedule(self) -> Schedule:
+        """The schedule every step runs: ``chunks`` rounded up to fill every stage's
+        slots (the padding microbatches run too; see :func:`make_layout`)."""
+        return self._schedule_for(make_layout(self.chunks, self.chunks, self.stages, 1).padded_chunks)
+
+    def _schedule_for(self, chunks: int) -> Schedule:
         return gpipe(self.stages, chunks) if self.rounds == 1 else circular(self.stages, chunks, self.rounds)
 
     def _step_seed(self, device: torch.device) -> torch.Tensor:

@@ -152,7 +152,7 @@ class Pipe(nn.Module):
                              f"clock loop is GPipe's fill-drain, once or round the stage ring), not {schedule!r}; "
                              "use one of those, or executor='devices'")
         stages = _spmd_stage_count(mesh, stages, balance, self.virtual)
-        self.schedule: Schedule = by_name(schedule, stages, self.chunks, self.virtual)
+        by_name(schedule, stages, self.chunks, self.virtual)  # refuses what the ring cannot run, before device work
         plan = partition(module, stages, sample_input=sample_input)
         stacked = cut_for_stacking(module, plan, sample_input)
         if len(stacked.blocks) < stages:
@@ -168,7 +168,7 @@ class Pipe(nn.Module):
             place_constants_on(piece, device)
         self.runner = SpmdPipeline(stacked, self.mesh, self.chunks, self.checkpoint, device, _tie_groups(module),
                                    self.virtual)
-        self.schedule = self.runner.schedule  # chunks rounded up to a multiple of stages, as it runs
+        self.schedule: Schedule = self.runner.schedule  # chunks rounded up to a multiple of stages, as it runs
         retire(module, [p for block in stacked.blocks for p in block.parameters()])
 
     def _build_devices(self, module: nn.Module, balance: Sequence[int] | None, mesh: xs.Mesh | None,

@@ -81,6 +81,9 @@ class SpmdPipeline(nn.Module):
         self._block_parameters = [list(block.named_parameters()) for block in stacked.blocks]
         self._frozen = [[not p.requires_grad for _, p in named] for named in self._block_parameters]
         self.body = StackedWeights.from_blocks(stacked.blocks, self._slots(), rounds * self.depth, device, mesh)
+        # What every step runs: chunks rounded up to fill every stage's slots (see make_layout).
+        padded = make_layout(chunks, chunks, self.stages, 1).padded_chunks
+        self.schedule = gpipe(self.stages, padded) if rounds == 1 else circular(self.stages, padded, rounds)
         self._sources, self._traced_name = _state_sources(stacked, keys)
         self._holders: dict[int, list[tuple[str, Callable]]] | None = None  # see named_slices
         self._ticks: dict[tuple, Callable] = {}
@@ -198,8 +201,7 @@ class SpmdPipeline(nn.Module):
 
     def _run_clocks(self, slots: torch.Tensor, layout: Layout, packing: Packing,
                     constants: tuple[torch.Tensor, ...]) -> torch.Tensor:
-        schedule = self._schedule_for(layout.padded_chunks)
-        tables = column_tables(schedule, layout)
+        tables = column_tables(self.schedule, layout)
         reads, writes, from_ring = (torch.tensor(t, device=slots.device, dtype=slots.dtype)
                                     for t in (tables.reads, tables.writes, tables.from_ring))
         rounds = torch.nn.functional.one_hot(torch.tensor(tables.rounds), self.rounds)  # [T, S, V]
@@ -211,7 +213,7 @@ class SpmdPipeline(nn.Module):
         weights = tuple(self._shard_batch(self._per_replica(w)) for w in self.body.effective_weights())
         weights += tuple(self._shard_batch(self._per_device(c)) for c in constants)  # they ride along
         carry = (state, slots, valid, weights)
-        plain_from = _first_kept_clock(schedule, self.checkpoint)
+        plain_from = _first_kept_clock(self.schedule, self.checkpoint)
         ring = bool(tables.from_ring.any())
         for start, end, recomputed in ((0, plain_from, True), (plain_from, len(reads), False)):
             if end > start:
@@ -220,14 +222,6 @@ class SpmdPipeline(nn.Module):
                 carry, _ = scan(self._tick(recomputed, packing, ring), carry, columns, is_fn_pure=True)
         return carry[1]
 
-    @property
-    def schedule(self) -> Schedule:
-        """The schedule every step runs: ``chunks`` rounded up to fill every stage's
-        slots (the padding microbatches run too; see :func:`make_layout`)."""
-        return self._schedule_for(make_layout(self.chunks, self.chunks, self.stages, 1).padded_chunks)
-
-    def _schedule_for(self, chunks: int) -> Schedule:
-        return gpipe(self.stages, chunks) if self.rounds == 1 else circular(self.stages, chunks, self.rounds)
 
     def _step_seed(self, device: torch.device) -> torch.Tensor:
         """A seed for this step's dropout masks, from torch's default generator

@@ -67,9 +67,10 @@ class SpmdPipeline(nn.Module):
         self.pre = stacked.pre
         self.post = stacked.post
         self.batch_norm = RunningStatistics([self.pre, self.post])  # PyTorch's running statistics, not XLA's
-        for tensor in [*self.pre.parameters(), *self.post.parameters()]:
-            # Replicated from the start: an unannotated weight comes out of the first step
-            # annotated "replicated", and the second step would compile anew.
+        for tensor in [*self.pre.parameters(), *self.post.parameters(), *self.pre.buffers(), *self.post.buffers()]:
+            # Replicated from the start: an unannotated weight or buffer (Llama's rotary
+            # inv_freq) comes out of the first step annotated "replicated", and the
+            # second step would compile anew.
             xs.mark_sharding(tensor, mesh, (None,) * tensor.dim())
         self.side_rows = stacked.side_rows  # per side input: travels with its microbatch, or held whole
         self.exported = stacked.exported

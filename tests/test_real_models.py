@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 import torch_xla
+import torch_xla.core.xla_model as xm
 import torchvision
 from equivalence import ATOL, RTOL, assert_pipe_matches
 from hf_models import assert_gradients_match, assert_llama_step_matches, gpt2, llama, padding_mask, tokens
@@ -103,6 +104,9 @@ def test_resnet18_in_train_mode():
                                targets.to(device))
     expected.backward()
     torch_xla.sync()
+    # torch_xla.sync() runs the default device only: the reference's step on device 7
+    # runs here, once, not once per gradient read below.
+    xm.unlazy([expected, *(parameter.grad for parameter in reference.parameters())])
     torch.testing.assert_close(loss.cpu(), expected.cpu(), rtol=RTOL, atol=ATOL)
     gradients = pipe.named_gradients()
     for name, parameter in reference.named_parameters():

@@ -156,8 +156,9 @@ class Pipe(nn.Module):
         plan = partition(module, stages, sample_input=sample_input)
         stacked = cut_for_stacking(module, plan, sample_input)
         if len(stacked.blocks) < stages:
-            raise ValueError(f"stages: the model's body has {len(stacked.blocks)} blocks, fewer than the {stages} "
-                             f"stages; use at most {len(stacked.blocks)} stages")
+            raise ValueError(f"stages: the model's body (its longest run of identical blocks) has "
+                             f"{len(stacked.blocks)} blocks, fewer than the {stages} stages; use at most "
+                             f"{len(stacked.blocks)} stages, or executor='devices'")
         self.partition: Partition = _spmd_partition(module, plan, spread(len(stacked.blocks), stages * self.virtual),
                                                     balance, sample_input)
         self.mesh = mesh if mesh is not None else make_mesh(stages)  # the process enters SPMD mode here

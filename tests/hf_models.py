@@ -2,7 +2,8 @@
 configs with random weights (nothing is downloaded)."""
 
 import torch
-from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+from transformers import (BertConfig, BertForMaskedLM, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM,
+                          T5Config, T5ForConditionalGeneration)
 
 
 def llama(layers: int = 4) -> LlamaForCausalLM:
@@ -21,6 +22,22 @@ def gpt2(layers: int = 4, dropout: float | None = None) -> GPT2LMHeadModel:
     if dropout is not None:
         config.resid_pdrop = config.embd_pdrop = config.attn_pdrop = dropout
     return GPT2LMHeadModel(config)
+
+
+def bert(layers: int = 4) -> BertForMaskedLM:
+    """An encoder with its MLM head (tied to the word embeddings), dropout off."""
+    torch.manual_seed(0)
+    return BertForMaskedLM(BertConfig(
+        vocab_size=128, hidden_size=32, num_hidden_layers=layers, num_attention_heads=4, intermediate_size=64,
+        max_position_embeddings=32, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0))
+
+
+def t5(layers: int = 3) -> T5ForConditionalGeneration:
+    """An encoder-decoder: the decoder's blocks read the encoder's output; dropout off."""
+    torch.manual_seed(0)
+    return T5ForConditionalGeneration(T5Config(
+        vocab_size=128, d_model=32, d_kv=8, d_ff=64, num_layers=layers, num_heads=4, dropout_rate=0.0,
+        decoder_start_token_id=0, pad_token_id=0, use_cache=False))
 
 
 def tokens(rows: int = 2, seq: int = 8) -> torch.Tensor:
@@ -48,6 +65,22 @@ def assert_llama_step_matches(pipe, reference, ids: torch.Tensor, mask: torch.Te
     expected = reference(input_ids=ids, attention_mask=mask).logits
     expected.square().mean().backward()
     torch.testing.assert_close(output.logits.cpu(), expected.detach(), rtol=RTOL, atol=ATOL)
+    assert_gradients_match(pipe, reference)
+
+
+def assert_loss_step_matches(pipe, reference, **inputs: torch.Tensor) -> None:
+    """One backward of the model's own loss (``labels=`` among ``inputs``) through
+    ``pipe`` equals the same on ``reference`` (unpipelined, on the CPU): the loss and
+    every gradient, rtol 1e-4 (``equivalence``)."""
+    import torch_xla
+    from equivalence import ATOL, RTOL
+
+    output = pipe(**inputs)
+    output.loss.backward()
+    torch_xla.sync()
+    expected = reference(**inputs)
+    expected.loss.backward()
+    torch.testing.assert_close(output.loss.cpu(), expected.loss.detach(), rtol=RTOL, atol=ATOL)
     assert_gradients_match(pipe, reference)
 
 

@@ -15,7 +15,7 @@ import xpipe
 from xpipe.capture import opened_modules, trace_layers
 from xpipe.viz import render, render_text
 from xpipe.schedule import gpipe
-from hf_models import gpt2, llama, tokens
+from hf_models import gpt2, llama, t5, tokens
 
 
 def test_a_hugging_face_llama_is_captured_with_its_own_layer_names():
@@ -55,6 +55,36 @@ def test_torchvisions_vit_exposes_its_encoder_blocks_without_a_sample():
     blocks = [name for stage in plan.stages for name in stage if name.startswith("encoder.layers.")]
     assert blocks == [f"encoder.layers.encoder_layer_{i}" for i in range(4)]
     assert plan.repeated.count == 4
+
+
+def test_an_encoder_decoder_opens_both_runs_of_blocks():
+    assert opened_modules(t5()) == {"", "encoder", "encoder.block", "decoder", "decoder.block"}
+
+
+def test_a_container_inside_the_blocks_stays_inside_them():
+    """Experts of a mixture-of-experts block are alike too; the blocks stay the layers."""
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.experts = nn.ModuleList(nn.Linear(8, 8) for _ in range(2))
+
+        def forward(self, x):
+            return sum(expert(x) for expert in self.experts)
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body = nn.Module()
+            self.body.layers = nn.ModuleList(Block() for _ in range(3))
+            self.head = nn.Linear(8, 2)
+
+        def forward(self, x):
+            for block in self.body.layers:
+                x = block(x)
+            return self.head(x)
+
+    assert opened_modules(Model()) == {"", "body", "body.layers"}
+    assert xpipe.partition(Model(), 2).stages == (("body.layers.0", "body.layers.1"), ("body.layers.2", "head"))
 
 
 def test_a_transformer_encoder_is_opened_by_export_and_kept_whole_by_fx():

@@ -18,7 +18,8 @@ import torch_xla
 import torch_xla.core.xla_model as xm
 import torchvision
 from equivalence import ATOL, RTOL, assert_pipe_matches
-from hf_models import assert_gradients_match, assert_llama_step_matches, gpt2, llama, padding_mask, tokens
+from hf_models import (assert_gradients_match, assert_llama_step_matches, assert_loss_step_matches, bert, gpt2, llama,
+                       padding_mask, tokens, t5)
 
 import xpipe
 
@@ -55,6 +56,30 @@ def test_gpt2_with_labels_returns_the_models_own_loss():
     torch.optim.SGD(reference.parameters(), lr=0.1).step()
     for name, value in pipe.state_dict().items():
         torch.testing.assert_close(value.cpu(), reference.state_dict()[name], rtol=RTOL, atol=ATOL)
+
+
+def test_bert_with_a_padding_mask_and_labels_on_four_devices():
+    model = bert()
+    reference = copy.deepcopy(model)
+    ids, mask = tokens(8, 8), padding_mask(8)
+    inputs = {"input_ids": ids, "attention_mask": mask, "labels": ids}
+    pipe = xpipe.Pipe(model, chunks=4, stages=4, executor="devices",
+                      sample_input={name: value[:2] for name, value in inputs.items()})
+    assert pipe.partition.stages[0][0] == "bert.embeddings" and pipe.partition.stages[-1][-1] == "cls"
+    assert_loss_step_matches(pipe, reference, **inputs)
+
+
+def test_t5_encoder_decoder_with_labels_on_four_devices():
+    """The decoder's blocks read the encoder's output: a value that crosses stages."""
+    model = t5()
+    reference = copy.deepcopy(model)
+    ids, mask = tokens(8, 8), padding_mask(8)
+    inputs = {"input_ids": ids, "attention_mask": mask, "labels": ids.roll(1, 1)}
+    pipe = xpipe.Pipe(model, chunks=4, stages=4, executor="devices",
+                      sample_input={name: value[:2] for name, value in inputs.items()})
+    names = [name for stage in pipe.partition.stages for name in stage]
+    assert {"encoder.block.0", "encoder.block.1", "decoder.block.0", "decoder.block.1"} <= set(names), names
+    assert_loss_step_matches(pipe, reference, **inputs)
 
 
 def test_a_captured_model_refuses_the_mode_it_was_not_captured_in():

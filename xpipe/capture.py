@@ -4,10 +4,11 @@ A *layer* is one call of one of the user's own submodules, named as in
 ``model.named_modules()`` (``"model.layers.3"``). Which submodules are layers:
 every submodule is one, except the ones xpipe looks inside: containers
 (``nn.Sequential``, ``nn.ModuleList``, ``nn.ModuleDict``), the root, and the
-modules on the way down to the model's run of repeated blocks (the shallowest
-container holding two or more alike children), so that the blocks are layers
+modules on the way down to each run of repeated blocks (the outermost
+containers holding two or more alike children), so that the blocks are layers
 however deep the model nests them (``model.model.layers`` in a Hugging Face
-model, ``encoder.layers`` in torchvision's ViT).
+model, ``encoder.layers`` in torchvision's ViT, both ``encoder.block`` and
+``decoder.block`` in T5).
 
 Two ways to capture, the fast one first:
 
@@ -81,13 +82,13 @@ def flat_inputs(sample_input: Any) -> list[Any]:
 
 def opened_modules(module: nn.Module) -> set[str]:
     """Names of the modules xpipe looks inside rather than treating as one layer:
-    the root and the modules on the way to the run of repeated blocks (containers
+    the root and the modules on the way to each run of repeated blocks (containers
     are looked inside wherever they are reached)."""
-    repeated = _repeated_container(module)
-    if repeated is None:
-        return {""}
-    parts = repeated.split(".") if repeated else []
-    return {".".join(parts[:depth]) for depth in range(len(parts) + 1)}
+    opened = {""}
+    for repeated in _repeated_containers(module):
+        parts = repeated.split(".")
+        opened.update(".".join(parts[:depth]) for depth in range(1, len(parts) + 1))
+    return opened
 
 
 def is_layer(module: nn.Module, name: str, opened: set[str]) -> bool:
@@ -95,19 +96,23 @@ def is_layer(module: nn.Module, name: str, opened: set[str]) -> bool:
     return name not in opened and not isinstance(module, CONTAINERS)
 
 
-def _repeated_container(module: nn.Module) -> str | None:
-    """The shallowest container with two or more alike children (the largest by
-    parameters among equally shallow ones), or None."""
-    best: tuple[int, int, str] | None = None
-    for name, container in module.named_modules():
-        if not isinstance(container, CONTAINERS):
+def _repeated_containers(module: nn.Module) -> list[str]:
+    """The outermost containers with two or more alike children: one for a decoder
+    stack (``model.layers``), two for an encoder-decoder (``encoder.block`` and
+    ``decoder.block``). A container inside another one's blocks (the experts of a
+    mixture-of-experts layer) is part of its block, not a run of its own."""
+    found: list[str] = []
+    for name, container in module.named_modules():  # parents before their children
+        if not isinstance(container, CONTAINERS) or any(_is_within(name, outer) for outer in found):
             continue
         kinds = Counter(_kind(child) for child in container.children())
         if kinds and max(kinds.values()) >= 2:
-            depth = name.count(".") + 1 if name else 0
-            candidate = (depth, -sum(p.numel() for p in container.parameters()), name)
-            best = candidate if best is None or candidate < best else best
-    return None if best is None else best[2]
+            found.append(name)
+    return found
+
+
+def _is_within(name: str, outer: str) -> bool:
+    return outer == "" or name.startswith(outer + ".")
 
 
 def _kind(module: nn.Module) -> tuple:

@@ -231,6 +231,19 @@ def test_a_cpu_backward_before_the_pipe_does_not_break_xla_backward():
     assert "grad True" in result.stdout
 
 
+def test_auto_picks_spmd_wherever_spmd_accepts_the_model():
+    """7 blocks on 4 stages x 2 virtual: the last model stage holds no block but the
+    norm and head, which the spmd executor runs; auto picks it in a fresh process."""
+    result = run_fresh("""
+        import xpipe
+        from xpipe.models import transformer_lm
+        pipe = xpipe.Pipe(transformer_lm(blocks=7, width=16), chunks=8, stages=4, schedule="circular", virtual=2)
+        print("executor", pipe.executor, pipe.partition.balance)
+    """)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "executor spmd" in result.stdout, result.stdout
+
+
 def test_spmd_after_xla_devices_were_used_is_refused_not_crashed():
     result = run_fresh("""
         import torch, torch_xla, xpipe

@@ -318,8 +318,8 @@ def _in_order(inputs: tuple, keyword_inputs: dict[str, Any], names: tuple[str, .
 def _choose_executor(executor: str, module: nn.Module, mesh: xs.Mesh | None, stages: int | None,
                      balance: Sequence[int] | None, sample_input: Any, schedule: str, virtual: int) -> str:
     """``executor``, with ``"auto"`` resolved: spmd for a mesh, an SPMD process or a
-    model with a stackable run of at least one identical block per stage (and a
-    stage count that divides the devices), when the schedule is one spmd runs and
+    model with a stackable run of at least one identical block per stage and a
+    layer per model stage (and a stage count that divides the devices), when the schedule is one spmd runs and
     the process has not used XLA devices outside SPMD mode; devices otherwise.
     Touches no device."""
     if executor not in EXECUTORS:
@@ -336,10 +336,13 @@ def _choose_executor(executor: str, module: nn.Module, mesh: xs.Mesh | None, sta
     if devices % stages:
         return "devices"  # no data x stage mesh has this many stages
     try:
-        stacked = cut_for_stacking(module, partition(module, 1, sample_input=sample_input), sample_input)
+        plan = partition(module, 1, sample_input=sample_input)
+        stacked = cut_for_stacking(module, plan, sample_input)
     except ValueError:
         return "devices"
-    return "spmd" if len(stacked.blocks) >= stages * virtual else "devices"
+    blocks = len(stacked.blocks)  # what _build_spmd accepts: a block per stage, a layer per model stage
+    fits = blocks >= stages and min(_spmd_balance(plan, spread(blocks, stages * virtual))) >= 1
+    return "spmd" if fits else "devices"
 
 
 def _requested_stages(stages: int | None, balance: Sequence[int] | None, virtual: int = 1) -> int | None:
@@ -389,16 +392,22 @@ def _spmd_stage_count(mesh: xs.Mesh | None, stages: int | None, balance: Sequenc
     return mesh.mesh_shape[1]
 
 
+def _spmd_balance(plan: Partition, per_stage: tuple[int, ...]) -> list[int]:
+    """Layers per model stage when ``per_stage`` blocks of the body go to each, the
+    layers before the body to the first and those after it to the last."""
+    repeated = plan.repeated
+    blocks = [count * repeated.period for count in per_stage]
+    post = sum(plan.balance) - repeated.start - repeated.period * repeated.count
+    return [blocks[0] + repeated.start, *blocks[1:-1], blocks[-1] + post] if len(blocks) > 1 else [sum(plan.balance)]
+
+
 def _spmd_partition(module: nn.Module, plan: Partition, per_stage: tuple[int, ...],
                     balance: Sequence[int] | None, sample_input: Any) -> Partition:
     """The partition the spmd executor runs: the body spread evenly over the model
     stages, pre on the first and post on the last (they run data-parallel over the
     whole mesh)."""
     repeated = plan.repeated
-    blocks = [count * repeated.period for count in per_stage]
-    post = sum(plan.balance) - repeated.start - repeated.period * repeated.count
-    spmd_balance = [blocks[0] + repeated.start, *blocks[1:-1], blocks[-1] + post] if len(blocks) > 1 \
-        else [sum(plan.balance)]
+    spmd_balance = _spmd_balance(plan, per_stage)
     if min(spmd_balance) < 1:
         raise ValueError(f"virtual: the model's body has {repeated.count} blocks, too few for "
                          f"{len(per_stage)} model stages (stages x virtual) to hold a layer each; use a smaller "

@@ -112,6 +112,7 @@ def _repeated_containers(module: nn.Module) -> list[str]:
 
 
 def _is_within(name: str, outer: str) -> bool:
+    """Whether module ``name`` lies inside module ``outer`` (everything lies inside the root)."""
     return outer == "" or name.startswith(outer + ".")
 
 

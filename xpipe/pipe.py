@@ -319,9 +319,9 @@ def _choose_executor(executor: str, module: nn.Module, mesh: xs.Mesh | None, sta
                      balance: Sequence[int] | None, sample_input: Any, schedule: str, virtual: int) -> str:
     """``executor``, with ``"auto"`` resolved: spmd for a mesh, an SPMD process or a
     model with a stackable run of at least one identical block per stage and a
-    layer per model stage (and a stage count that divides the devices), when the schedule is one spmd runs and
-    the process has not used XLA devices outside SPMD mode; devices otherwise.
-    Touches no device."""
+    layer per model stage (and a stage count that divides the devices), when the
+    schedule is one spmd runs and the process has not used XLA devices outside
+    SPMD mode; devices otherwise. Touches no device."""
     if executor not in EXECUTORS:
         raise ValueError(f"executor: {executor!r} is not an executor; use one of {', '.join(EXECUTORS)}")
     if executor != "auto":

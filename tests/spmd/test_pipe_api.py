@@ -72,8 +72,9 @@ def test_bad_arguments_name_themselves(mesh):
         xpipe.Pipe(tiny_mlp(), chunks=2, mesh=mesh, schedule="zb")
     with pytest.raises(ValueError, match="schedule: the spmd executor runs 'gpipe' and 'circular'"):
         xpipe.Pipe(tiny_mlp(), chunks=2, mesh=mesh, schedule="1f1b")
-    with pytest.raises(ValueError, match=r"stages: the model's body \(its longest run of identical blocks\) has 3 "
-                                         r"blocks, fewer than the 4 stages; use at most 3 stages, or executor='devices'"):
+    with pytest.raises(ValueError, match=r"stages: the model's body \(its longest run of identical blocks\) "
+                                         r"has 3 blocks, fewer than the 4 stages; use at most 3 stages, or "
+                                         r"executor='devices'"):
         xpipe.Pipe(tiny_mlp(blocks=3), chunks=2, mesh=mesh)
     with pytest.raises(ValueError, match="stages: 2 does not match the mesh's 'stage' axis of 4"):
         xpipe.Pipe(tiny_mlp(), chunks=2, mesh=mesh, stages=2)

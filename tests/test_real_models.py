@@ -19,7 +19,7 @@ import torch_xla.core.xla_model as xm
 import torchvision
 from equivalence import ATOL, RTOL, assert_pipe_matches
 from hf_models import (assert_gradients_match, assert_llama_step_matches, assert_loss_step_matches, bert, gpt2, llama,
-                       padding_mask, tokens, t5)
+                       padding_mask, t5, tokens)
 
 import xpipe
 

@@ -223,7 +223,6 @@ class SpmdPipeline(nn.Module):
                 carry, _ = scan(self._tick(recomputed, packing, ring), carry, columns, is_fn_pure=True)
         return carry[1]
 
-
     def _step_seed(self, device: torch.device) -> torch.Tensor:
         """A seed for this step's dropout masks, from torch's default generator
         (``torch.manual_seed`` makes a run repeatable); data, so no recompile."""

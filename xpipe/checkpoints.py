@@ -12,8 +12,10 @@ it was saved from, every key's shape, every file's CRC-32).
 
 Writes are atomic: everything goes to a temporary directory beside ``path``,
 which replaces ``path`` only when complete, so a save that fails leaves the
-previous checkpoint as it was. A load checks the files' hashes, the keys and
-the shapes before it changes any state.
+previous checkpoint as it was. Only a directory that holds an xpipe checkpoint
+(or nothing) is ever replaced: a user's own files are never moved or deleted. A
+load checks the files' hashes, the keys, the shapes and the optimizer's kind and
+state before it changes any state.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import functools
 import io
 import json
 import os
+import pickle
 import shutil
 import tempfile
 import warnings
@@ -68,24 +71,77 @@ def save(path: str | os.PathLike, pipe: nn.Module, optimizer: torch.optim.Optimi
         stopped the write (``path`` then still holds the previous checkpoint).
     """
     path = Path(path)
-    if not path.parent.is_dir():
-        raise FileNotFoundError(f"path: the directory {str(path.parent)!r} that should hold the checkpoint "
-                                "does not exist; create it first")
+    _check_replaceable(path)
+    _pickled(extra)  # refused before any device work
     tensors: dict[str, Any] = {"model": _host_state(pipe)}
     training: dict[str, Any] = {"step": step, "extra": extra, "rng": _rng_states(pipe)}
     if optimizer is not None:
         tensors["optimizer"], training["param_groups"] = _named_optimizer_state(pipe, optimizer)
-    training_bytes = io.BytesIO()
-    torch.save(training, training_bytes)  # now: a later change to `extra` is not saved
-    layout = {"format": FORMAT, "xpipe": _version(), "layout": _layout(pipe), "optimizer": optimizer is not None}
+    training_bytes = _pickled(training)  # now: a later change to `extra` is not saved
+    layout = {"format": FORMAT, "xpipe": _version(), "layout": _layout(pipe), "optimizer": optimizer is not None,
+              "optimizer_kind": None if optimizer is None else _kind(optimizer)}
     if background:
-        return _background_writer().submit(_write, path, tensors, training_bytes.getvalue(), layout)
-    _write(path, tensors, training_bytes.getvalue(), layout)
+        return _background_writer().submit(_write, path, tensors, training_bytes, layout)
+    _write(path, tensors, training_bytes, layout)
     return None
+
+
+def _check_replaceable(path: Path) -> None:
+    """Raise unless ``path`` is free, an empty directory, or a directory holding an xpipe
+    checkpoint and nothing else: a save replaces it whole, and must never take a
+    user's own files with it."""
+    if not path.parent.is_dir():
+        raise FileNotFoundError(f"path: the directory {str(path.parent)!r} that should hold the checkpoint "
+                                "does not exist; create it first")
+    if not path.exists() and not path.is_symlink():
+        return
+    if not path.is_dir():
+        raise FileExistsError(f"path: {str(path)!r} is a file, not a checkpoint directory; xpipe.save writes a "
+                              "directory there and leaves your file alone: choose another path")
+    entries = set(os.listdir(path))
+    if not entries:
+        return
+    ours = _checkpoint_files(path)
+    if ours is None:
+        raise FileExistsError(f"path: {str(path)!r} holds files that are not an xpipe checkpoint "
+                              f"({', '.join(sorted(entries)[:5])}); xpipe.save replaces the whole directory, so "
+                              "it refuses: save to a new or empty directory (e.g. a 'checkpoint' folder inside it)")
+    foreign = sorted(entries - ours)
+    if foreign:
+        raise FileExistsError(f"path: the checkpoint directory {str(path)!r} also holds {foreign[:5]}, which "
+                              "xpipe.save did not write and would delete when it replaces the checkpoint; move "
+                              "them elsewhere, or save to another directory")
+
+
+def _checkpoint_files(path: Path) -> set[str] | None:
+    """The names of the files an xpipe checkpoint at ``path`` consists of, read from its
+    manifest; None if ``path`` holds no xpipe manifest."""
+    try:
+        manifest = json.loads((path / MANIFEST).read_text())
+        return {MANIFEST, *manifest["files"]} if "format" in manifest else None
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _pickled(value: Any) -> bytes:
+    """``value`` as ``torch.save`` writes it; a value it cannot write is refused by name."""
+    stream = io.BytesIO()
+    try:
+        torch.save(value, stream)
+    except (pickle.PicklingError, TypeError, AttributeError) as error:
+        raise ValueError(f"extra: torch.save cannot write it ({error}); pass plain data (numbers, strings, "
+                         "lists, dicts, tensors), e.g. a dict of the values you need to resume") from error
+    return stream.getvalue()
+
+
+def _kind(optimizer: torch.optim.Optimizer) -> str:
+    """The optimizer's class, as a checkpoint records it."""
+    return f"{type(optimizer).__module__}.{type(optimizer).__qualname__}"
 
 
 def _write(path: Path, tensors: dict[str, Any], training: bytes, layout: dict[str, Any]) -> None:
     """The checkpoint's files, from state already on the host, put in place at ``path``."""
+    _check_replaceable(path)  # again: a background save runs later, and the path may have changed since
     staging = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".saving", dir=path.parent))
     try:
         with _quiet_single_process():
@@ -137,7 +193,7 @@ def load(path: str | os.PathLike, pipe: nn.Module,
     _wait_for_background_saves()
     manifest = _checked_manifest(path)
     expected = pipe.state_dict()
-    _check_matches(path, manifest, expected, optimizer is not None)
+    _check_matches(path, manifest, expected, optimizer)
     tensors: dict[str, Any] = {"model": {key: torch.empty(value.shape, dtype=value.dtype)
                                          for key, value in expected.items()}}
     if optimizer is not None:
@@ -145,10 +201,10 @@ def load(path: str | os.PathLike, pipe: nn.Module,
     with _quiet_single_process():
         dcp.load(tensors, checkpoint_id=path, no_dist=_single_process())
     training = torch.load(path / TRAINING, weights_only=False)
+    if optimizer is not None:  # first: it is the part that can still refuse, and then nothing has changed
+        _load_optimizer_or_change_nothing(optimizer, _positional_optimizer_state(
+            pipe, optimizer, tensors["optimizer"], training["param_groups"], path), path)
     pipe.load_state_dict(tensors["model"])
-    if optimizer is not None:
-        optimizer.load_state_dict(_positional_optimizer_state(pipe, optimizer, tensors["optimizer"],
-                                                              training["param_groups"], path))
     _restore_rng(pipe, training["rng"])
     return training["step"], training["extra"]
 
@@ -308,8 +364,9 @@ def _checked_manifest(path: Path) -> dict[str, Any]:
 
 
 def _check_matches(path: Path, manifest: dict[str, Any], expected: dict[str, torch.Tensor],
-                   wants_optimizer: bool) -> None:
-    """The checkpoint holds exactly this model's keys and shapes."""
+                   optimizer: torch.optim.Optimizer | None) -> None:
+    """The checkpoint holds exactly this model's keys and shapes, and the state of an
+    optimizer of ``optimizer``'s kind."""
     saved = {key[len("model/"):]: shape for key, shape in manifest["shapes"].items() if key.startswith("model/")}
     missing = [key for key in expected if key not in saved]
     unexpected = [key for key in saved if key not in expected]
@@ -318,8 +375,13 @@ def _check_matches(path: Path, manifest: dict[str, Any], expected: dict[str, tor
     if missing or unexpected or reshaped:
         raise ValueError(f"checkpoint: {str(path)!r} is from another model: missing keys {missing[:5]}, "
                          f"unexpected keys {unexpected[:5]}, other shapes {reshaped[:5]}")
-    if wants_optimizer and not manifest.get("optimizer"):
+    if optimizer is not None and not manifest.get("optimizer"):
         raise ValueError(f"checkpoint: {str(path)!r} was saved without an optimizer; load it with optimizer=None")
+    saved_kind = manifest.get("optimizer_kind")  # absent from checkpoints of xpipe before it was recorded
+    if optimizer is not None and saved_kind is not None and saved_kind != _kind(optimizer):
+        raise ValueError(f"optimizer: the checkpoint {str(path)!r} holds the state of a {saved_kind}, and this "
+                         f"optimizer is a {_kind(optimizer)}; build the optimizer the checkpoint was saved with, "
+                         "or load with optimizer=None (the weights only) and start the optimizer afresh")
 
 
 def _optimizer_template(path: Path, manifest: dict[str, Any]) -> dict[str, dict[str, torch.Tensor]]:
@@ -358,6 +420,25 @@ def _positional_optimizer_state(pipe: nn.Module, optimizer: torch.optim.Optimize
             index += 1
         groups.append({**{k: v for k, v in saved_group.items() if k != "params"}, "params": positions})
     return {"state": state, "param_groups": groups}
+
+
+def _load_optimizer_or_change_nothing(optimizer: torch.optim.Optimizer, state: dict[str, Any], path: Path) -> None:
+    """``optimizer.load_state_dict(state)``, or, if it fails (state of another kind of
+    optimizer, in a checkpoint that does not record its kind), the optimizer as it was."""
+    current = {key: value.keys() for key, value in optimizer.state.items()}
+    loaded = state["state"].values()
+    if current and loaded and set(next(iter(current.values()))) != set(next(iter(loaded))):
+        raise ValueError(f"optimizer: the checkpoint {str(path)!r} holds optimizer state "
+                         f"{sorted(next(iter(loaded)))}, and this optimizer keeps {sorted(next(iter(current.values())))}; "
+                         "build the optimizer the checkpoint was saved with, or load with optimizer=None")
+    before = optimizer.state, optimizer.param_groups  # load_state_dict puts new objects in their place
+    try:
+        optimizer.load_state_dict(state)
+    except Exception as error:
+        optimizer.state, optimizer.param_groups = before
+        raise ValueError(f"optimizer: the state in {str(path)!r} does not load into this "
+                         f"{type(optimizer).__name__} ({type(error).__name__}: {error}); build the optimizer the "
+                         "checkpoint was saved with, or load with optimizer=None") from error
 
 
 def _assembled(pipe: nn.Module, parameter: torch.Tensor, named_state: dict[str, dict[str, torch.Tensor]]) -> dict:

@@ -157,6 +157,84 @@ def test_damaged_or_foreign_checkpoints_are_refused_and_change_nothing(tmp_path,
         assert torch.equal(pipe.state_dict()[key].cpu(), value), key
 
 
+def test_a_save_never_moves_or_deletes_a_users_files(tmp_path):
+    """Only an empty directory or an xpipe checkpoint (and nothing else in it) is replaced."""
+    pipe, optimizer = make(small_cnn())
+    outputs = tmp_path / "outputs"
+    outputs.mkdir()
+    (outputs / "train.log").write_text("step 1: loss 2.3\n")
+    (outputs / "predictions").mkdir()
+    with pytest.raises(FileExistsError, match=r"path: '.*outputs' holds files that are not an xpipe checkpoint "
+                                              r"\(predictions, train.log\)"):
+        xpipe.save(outputs, pipe, optimizer)
+    notes = tmp_path / "notes.txt"
+    notes.write_text("mine")
+    with pytest.raises(FileExistsError, match=r"path: '.*notes.txt' is a file, not a checkpoint directory"):
+        xpipe.save(notes, pipe)
+    xpipe.save(tmp_path / "ckpt", pipe, optimizer, step=1)
+    (tmp_path / "ckpt" / "README").write_text("run 7")
+    with pytest.raises(FileExistsError, match=r"also holds \['README'\], which xpipe.save did not write"):
+        xpipe.save(tmp_path / "ckpt", pipe, optimizer, step=2)
+    with pytest.raises(ValueError, match="extra: torch.save cannot write it"):
+        xpipe.save(tmp_path / "fresh", pipe, extra={"callback": lambda: None})
+    assert (outputs / "train.log").read_text() == "step 1: loss 2.3\n" and (outputs / "predictions").is_dir()
+    assert notes.read_text() == "mine" and (tmp_path / "ckpt" / "README").read_text() == "run 7"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "notes.txt", "outputs"]
+    assert xpipe.load(tmp_path / "ckpt", pipe, optimizer)[0] == 1
+    (tmp_path / "ckpt" / "README").unlink()
+    xpipe.save(tmp_path / "ckpt", pipe, optimizer, step=2)  # a checkpoint alone is replaced
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    xpipe.save(empty, pipe)
+    assert xpipe.load(tmp_path / "ckpt", pipe, optimizer)[0] == 2 and xpipe.load(empty, pipe)[0] is None
+
+
+def test_a_load_into_another_kind_of_optimizer_changes_nothing(tmp_path):
+    """SGD's state into AdamW: refused by the recorded kind, and (for a checkpoint that
+    does not record it) by the state's keys, or rolled back when torch refuses it."""
+    data = batches(2)
+    pipe, adamw = make(small_cnn())
+    sgd = torch.optim.SGD(pipe.parameters(), lr=0.1, momentum=0.9)
+    pipe.step(*data[0])
+    sgd.step()
+    torch_xla.sync()
+    xpipe.save(tmp_path / "sgd", pipe, sgd, step=1)
+    sgd.zero_grad()
+    pipe.step(*data[1])
+    adamw.step()
+    torch_xla.sync()
+
+    def snapshot(optimizer):
+        return ({key: value.cpu().clone() for key, value in pipe.state_dict().items()},
+                {id(p): {k: v.cpu().clone() for k, v in s.items()} for p, s in optimizer.state.items()},
+                [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups])
+
+    def assert_unchanged(optimizer, before):
+        weights, state, groups = snapshot(optimizer)
+        assert weights.keys() == before[0].keys() and all(torch.equal(weights[k], before[0][k]) for k in weights)
+        assert state.keys() == before[1].keys()
+        assert all(torch.equal(state[p][k], v) for p in state for k, v in before[1][p].items())
+        assert groups == before[2]
+
+    before = snapshot(adamw)
+    with pytest.raises(ValueError, match=r"optimizer: the checkpoint '.*sgd' holds the state of a "
+                                         r"torch.optim.sgd.SGD, and this optimizer is a torch.optim.adamw.AdamW"):
+        xpipe.load(tmp_path / "sgd", pipe, adamw)
+    assert_unchanged(adamw, before)
+
+    manifest = tmp_path / "sgd" / "manifest.json"
+    manifest.write_text(manifest.read_text().replace('"optimizer_kind"', '"not_recorded"'))
+    with pytest.raises(ValueError, match=r"holds optimizer state \['momentum_buffer'\], and this optimizer "
+                                         r"keeps \['exp_avg', 'exp_avg_sq', 'step'\]"):
+        xpipe.load(tmp_path / "sgd", pipe, adamw)
+    assert_unchanged(adamw, before)
+    fresh = torch.optim.AdamW(pipe.parameters())
+    before = snapshot(fresh)
+    with pytest.raises(ValueError, match=r"does not load into this AdamW \(KeyError: 'step'\)"):
+        xpipe.load(tmp_path / "sgd", pipe, fresh)
+    assert_unchanged(fresh, before)
+
+
 def test_a_checkpoint_from_the_spmd_executor_loads_here(tmp_path):
     """Saved by an spmd Pipe on a 2 (data) x 4 (stage) mesh with AdamW state on its
     stacked weights; loaded into the devices executor on 4 devices, whose next

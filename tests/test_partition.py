@@ -80,6 +80,12 @@ def test_given_balance_is_used_as_is():
     assert plan.stage_of("3") == 1
 
 
+def test_json_of_another_kind_is_refused_by_what_it_lacks():
+    with pytest.raises(ValueError, match=r"text: this JSON is not a Partition written by Partition.to_json\(\) "
+                                         r"\(it has no 'graph', 'balance'"):
+        xpipe.Partition.from_json('{"schema": "something else"}')
+
+
 def test_json_round_trip_keeps_everything():
     plan = xpipe.partition(transformer_lm(blocks=4), 3, sample_input=TOKENS, cost="memory")
     again = xpipe.Partition.from_json(plan.to_json())

@@ -58,6 +58,28 @@ def test_gpt2_with_labels_returns_the_models_own_loss():
         torch.testing.assert_close(value.cpu(), reference.state_dict()[name], rtol=RTOL, atol=ATOL)
 
 
+def padded_labels(ids: torch.Tensor) -> torch.Tensor:
+    """``ids`` with -100 (ignored) at the end of each row, a different length per row:
+    the microbatches hold unequal numbers of labels that count."""
+    labels = ids.clone()
+    for row in range(len(labels)):
+        labels[row, len(labels[row]) - (3 * row) % 7:] = -100
+    return labels
+
+
+@pytest.mark.parametrize("family, chunks", [("gpt2", 2), ("llama", 4)])
+def test_padded_labels_give_the_plain_models_loss(family, chunks):
+    """A causal LM's loss means over the labels that count in the whole batch, not per
+    microbatch: the microbatches' losses weigh by their share of those labels."""
+    model = gpt2(dropout=0.0) if family == "gpt2" else llama()
+    reference = copy.deepcopy(model)
+    ids = tokens(8, 8)
+    inputs = {"input_ids": ids, "labels": padded_labels(ids)}
+    pipe = xpipe.Pipe(model, chunks=chunks, stages=2, executor="devices",
+                      sample_input={name: value[:2] for name, value in inputs.items()})
+    assert_loss_step_matches(pipe, reference, **inputs)
+
+
 def test_bert_with_a_padding_mask_and_labels_on_four_devices():
     model = bert()
     reference = copy.deepcopy(model)

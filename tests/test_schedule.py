@@ -145,3 +145,10 @@ def test_one_checkpoint_policy_read_from_the_table():
     assert kept_cells(one_f_one_b, "except_last") == {(0, 2), (1, 2)}
     with pytest.raises(ValueError, match="checkpoint: 'sometimes' is not a mode"):
         kept_cells(schedule, "sometimes")
+
+
+def test_a_short_row_in_a_written_schedule_is_refused_at_once():
+    text = by_name("gpipe", 2, 2).to_text().splitlines()
+    text[2] = text[2].split()[0]  # clock 1 loses its second rank's cell
+    with pytest.raises(ValueError, match=r"text: clock 1 has 1 cells, but stages=2 needs one per rank"):
+        Schedule.from_text("\n".join(text))

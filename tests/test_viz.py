@@ -114,7 +114,10 @@ def test_command_line_renders_a_factory_and_a_saved_plan(tmp_path, capsys):
     (["xpipe.models:small_cnn", "--stages", "2", "--cost", "flops", "--input-shape", "2,5"],
      "--input-shape 2,5 does not fit the model"),
     (["xpipe.models:small_cnn", "--stages", "40"], "stages: 40 stages need at least 40 layers"),
-    (["xpipe.models:small_cnn", "--stages", "2", "--cost", "flops"], "sample_input: cost='flops' runs the model"),
+    (["xpipe.models:small_cnn", "--stages", "2", "--cost", "flops"],
+     "--input-shape: the model needs a sample batch here (sample_input: cost='flops' runs the model"),
+    (["xpipe.models:small_cnn", "--stages", "2", "--input-shape", "2,-3,32,32"],
+     "--input-shape: '2,-3,32,32' has a size below 1"),
 ])
 def test_bad_arguments_print_one_line_and_fail(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_info:

@@ -102,8 +102,17 @@ class Partition:
 
     @classmethod
     def from_json(cls, text: str) -> Partition:
-        """Read a partition written by :meth:`to_json`."""
+        """Read a partition written by :meth:`to_json`.
+
+        Raises:
+            ValueError: ``text`` is not JSON, or JSON of another kind.
+        """
         data = json.loads(text)
+        missing = [key for key in ("graph", "balance", "stages", "costs", "cost", "boundaries", "repeated")
+                   if not isinstance(data, dict) or key not in data]
+        if missing:
+            raise ValueError(f"text: this JSON is not a Partition written by Partition.to_json() (it has no "
+                             f"{', '.join(map(repr, missing))}); write one with xpipe.partition(...).to_json()")
         graph = nx.node_link_graph(_tupled(data["graph"]), edges="edges")
         repeated = data["repeated"]
         return cls(

@@ -74,9 +74,11 @@ class Pipe(nn.Module):
             ``"interleaved"`` and ``"circular"`` (model stage ``s`` on device
             ``s % stages``); a ``balance`` then lists
             ``stages * virtual`` entries.
-        loss_fn: ``loss_fn(output, target)`` for :meth:`step`, a scalar reduced by
-            mean (or by sum, if its ``reduction`` attribute says ``"sum"``), e.g.
-            ``torch.nn.CrossEntropyLoss()``.
+        loss_fn: ``loss_fn(output, target)`` for :meth:`step`, a scalar, e.g.
+            ``torch.nn.CrossEntropyLoss()``. Its ``reduction`` (``"mean"`` or
+            ``"sum"``) and ``ignore_index`` attributes say how the devices executor
+            weighs the microbatches' losses (:mod:`xpipe.reduction`); a function
+            without them is taken to mean over rows, checked on its first step.
         checkpoint: ``"always"``, ``"except_last"`` or ``"never"``: which
             microbatches recompute their stage activations in the backward pass.
         deferred_batch_norm: devices executor: BatchNorm layers normalise each

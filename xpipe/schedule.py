@@ -192,6 +192,10 @@ class Schedule:
         if not match:
             raise ValueError(f"text: first line {head!r} is not 'NAME stages=S chunks=M virtual=V'")
         table = tuple(tuple(None if cell == "." else Action.parse(cell) for cell in row.split()) for row in rows)
+        short = [clock for clock, row in enumerate(table) if len(row) != int(match[2])]
+        if short:
+            raise ValueError(f"text: clock {short[0]} has {len(table[short[0]])} cells, but stages={match[2]} needs "
+                             "one per rank; write '.' for a rank that idles")
         return cls(match[1], int(match[2]), int(match[3]), table, int(match[4]))
 
     def __str__(self) -> str:

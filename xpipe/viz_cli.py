@@ -73,6 +73,12 @@ def _plan(arguments: argparse.Namespace) -> Partition:
         return partition(model, arguments.stages, sample_input=sample, cost=arguments.cost)
     except RuntimeError as error:
         raise ValueError(f"--input-shape {arguments.input_shape} does not fit the model: {error}") from error
+    except ValueError as error:
+        if "sample_input" not in str(error):
+            raise
+        raise ValueError(f"--input-shape: the model needs a sample batch here ({str(error).splitlines()[0]}); "
+                         "pass --input-shape with the batch's sizes, e.g. --input-shape 8,128 (and --input-dtype "
+                         "int64 for token ids)") from error
 
 
 def _read_plan(path: Path) -> Partition:
@@ -112,6 +118,8 @@ def _sample_input(model: nn.Module, shape: str | None, dtype: str) -> torch.Tens
         dims = [int(d) for d in shape.split(",")]
     except ValueError as error:
         raise ValueError(f"--input-shape: {shape!r} is not a comma-separated list of sizes, e.g. 8,128") from error
+    if min(dims) < 1:
+        raise ValueError(f"--input-shape: {shape!r} has a size below 1; every size must be positive, e.g. 8,128")
     if dtype == "auto":
         first = next((m for m in model.modules() if not list(m.children())), None)
         dtype = "int64" if isinstance(first, nn.Embedding) else "float32"

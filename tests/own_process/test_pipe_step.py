@@ -71,6 +71,66 @@ def test_a_sum_reducing_loss_and_a_ragged_last_batch():
                         chunks=4, stages=2, schedule="1f1b", executor="devices")
 
 
+def ignored_unevenly(rows: int) -> torch.Tensor:
+    """Class labels with the first microbatch's (of 4) first rows ignored (-100)."""
+    target = labels(rows)
+    target[:rows // 4 - 1] = -100
+    return target
+
+
+def declared(reduction: str, **attributes):
+    """A plain function that says how it reduces, as a loss module would."""
+    def loss(output, target):
+        return F.cross_entropy(output, target, reduction=reduction)
+    loss.reduction = reduction
+    for name, value in attributes.items():
+        setattr(loss, name, value)
+    return loss
+
+
+@pytest.mark.parametrize("loss_fn", [
+    torch.nn.CrossEntropyLoss(ignore_index=-100),
+    torch.nn.CrossEntropyLoss(weight=torch.linspace(0.5, 2.0, 10), ignore_index=-100),
+    F.cross_entropy,
+    declared("mean", ignore_index=-100),
+    declared("sum"),
+], ids=["module", "class-weights", "function", "declared-mean", "declared-sum"])
+def test_losses_over_unevenly_ignored_targets_equal_the_plain_models(loss_fn):
+    """A loss that means over the targets it does not ignore weighs each microbatch by
+    its share of them (here 1, 4, 4 and 4 of 13)."""
+    assert_step_matches(mlp_stack(blocks=4, width=16, inputs=8, outputs=10), torch.randn(16, 8),
+                        ignored_unevenly(16), loss_fn, chunks=4, stages=2, schedule="1f1b", executor="devices")
+
+
+@pytest.mark.parametrize("device", [0, 1])
+def test_ignored_targets_already_on_a_device_count_as_on_the_host(device):
+    """Targets from a device loader (on the first or the last stage's device): their
+    items are counted on the host (counted lazily on the device, the losses came out wrong)."""
+    target = ignored_unevenly(16)
+    model = mlp_stack(blocks=4, width=16, inputs=8, outputs=10)
+    reference = copy.deepcopy(model)
+    batch = torch.randn(16, 8)
+    pipe = xpipe.Pipe(model, chunks=4, stages=2, executor="devices", loss_fn=torch.nn.CrossEntropyLoss())
+    loss = pipe.step(batch, target.to(torch_xla.device(device)))
+    torch_xla.sync()
+    torch.testing.assert_close(loss.cpu(), F.cross_entropy(reference(batch), target), rtol=RTOL, atol=ATOL)
+
+
+def test_a_loss_function_that_does_not_say_it_sums_is_caught_on_its_first_step():
+    batch, target = torch.randn(16, 8), labels(16)
+    summing = xpipe.Pipe(mlp_stack(blocks=4, width=16, inputs=8, outputs=10), chunks=4, stages=2,
+                         executor="devices", loss_fn=lambda output, t: F.cross_entropy(output, t, reduction="sum"))
+    with pytest.raises(ValueError, match=r"loss_fn: on the whole batch it gives .* weighted by their rows give .*: "
+                                         r"it does not mean over rows .* give the function a `reduction` attribute"):
+        summing.step(batch, target)
+    meaning = xpipe.Pipe(mlp_stack(blocks=4, width=16, inputs=8, outputs=10), chunks=4, stages=2,
+                         executor="devices", loss_fn=lambda output, t: F.cross_entropy(output, t))
+    for _ in range(2):  # checked once, then trusted
+        meaning.step(batch, target)
+    torch_xla.sync()
+    assert len(meaning.runner.checked_losses) == 1
+
+
 def test_inputs_that_require_grad_get_their_gradient():
     model = small_cnn()
     batch = torch.randn(8, 3, 32, 32)

@@ -49,6 +49,7 @@ from xpipe._xla import to_host
 from xpipe.checkpoint import kept_cells
 from xpipe.devices.stages import StagedModel, StageProgram
 from xpipe.devices.ties import TiedCopies
+from xpipe.reduction import declares_reduction, loss_fn_items, model_loss_items, shares
 from xpipe.schedule import BACKWARD, FORWARD, WEIGHT_GRAD, Action, Schedule, by_name
 
 
@@ -132,6 +133,7 @@ class DevicesPipeline(nn.Module):
         self.peak_held_bytes = [0] * len(devices)
         self._held_bytes = [0] * len(devices)
         self._flush_pending = False
+        self.checked_losses: list[Callable] = []  # loss_fns whose reduction a first step confirmed
         self._module = [module]  # out of the module tree: its parameters are the stages' own
 
     @property
@@ -223,11 +225,15 @@ class DevicesPipeline(nn.Module):
         wanted = [(key, x) for key, x in _keyed_leaves(self.staged.inputs, inputs)
                   if isinstance(x, torch.Tensor) and x.requires_grad]
         step = _Step(self, plan, split, microbatch_dim, differentiating=True, input_grads=[key for key, _ in wanted])
-        step.loss = _Loss(loss_fn, [_moved(t, self.stage_devices[-1]) for t in targets], step)
+        check = loss_fn not in self.checked_losses and not declares_reduction(loss_fn)
+        step.loss = _Loss(loss_fn, targets, self.stage_devices[-1], check)
         with _guard_failures_explained():
             self.run_cells(plan.schedule.table, step.cell)
         self.batch_norm.commit()
         step.accumulate_into_grads([x for _, x in wanted])
+        if check:
+            step.loss.check_reduction(microbatch_dim, step.scalar_shares)
+            self.checked_losses.append(loss_fn)
         return step.loss.total()
 
     def _begin(self, inputs: tuple[Any, ...]) -> None:
@@ -462,12 +468,22 @@ class _Step:
         """The model's outputs, microbatches merged; the values that crossed between
         stages are let go (each reader keeps its own copy if it needs one)."""
         outputs, self.outputs, self.values = self.outputs, [], []
-        return [_merge(list(parts), self.microbatch_dim) for parts in zip(*outputs)]
+        return [_merge(list(parts), self.microbatch_dim, self.scalar_shares) for parts in zip(*outputs)]
+
+    @functools.cached_property
+    def scalar_shares(self) -> list[torch.Tensor | float]:
+        """How much each microbatch's scalar output (the model's own loss) weighs in the
+        batch's: its share of the items the loss averages over (:mod:`xpipe.reduction`)."""
+        module = self.pipeline._module[0]
+        last = self.pipeline.stage_devices[-1]
+        items = [model_loss_items(module, {name: _on_host(value) if name == "labels" else value
+                                           for name, value in inputs.items()}) for inputs in self.inputs]
+        return [_moved(share, last) for share in shares(items)]
 
     def set_output_grads(self, grads: tuple[torch.Tensor | None, ...]) -> None:
         rows = [self._rows(microbatch) for microbatch in range(self.chunks)]
         split = [[None] * self.chunks if g is None else
-                 [g / self.chunks] * self.chunks if g.dim() == 0 else  # a scalar output is the microbatches' mean
+                 [g * share for share in self.scalar_shares] if g.dim() == 0 else
                  _split(g, rows, self.microbatch_dim) for g in grads]
         last = self.pipeline.stage_devices[-1]
         self.output_grads = [[_moved(g, last) for g in per_leaf] for per_leaf in zip(*split)]
@@ -502,7 +518,7 @@ class _Step:
             pieces = [functools.reduce(operator.add, [_moved(g, original.device) for g in part]) if part
                       else torch.zeros_like(tree_flatten(piece[name])[0][leaf]).to(original.device)
                       for part, piece in zip(parts, self.inputs)]
-            grads.append(_merge(pieces, self.microbatch_dim))
+            grads.append(_merge(pieces, self.microbatch_dim, [1.0] * self.chunks))  # a scalar's gradients add
         return grads
 
 
@@ -536,19 +552,23 @@ class _PipelineFunction(torch.autograd.Function):
 
 class _Loss:
     """``pipe.step``'s loss, one microbatch at a time: each microbatch's loss is weighted
-    so that their sum is ``loss_fn`` of the whole batch (its share of the rows for a
-    mean-reducing ``loss_fn``, 1 for one whose ``reduction`` is ``"sum"``)."""
+    so that their sum is ``loss_fn`` of the whole batch: by its share of the items a
+    mean-reducing ``loss_fn`` averages over (rows, or the targets it does not ignore:
+    :mod:`xpipe.reduction`), by 1 for one whose ``reduction`` is ``"sum"``.
 
-    def __init__(self, fn: Callable[[Any, Any], torch.Tensor], targets: list[Any], step: _Step) -> None:
-        reduction = getattr(fn, "reduction", "mean")
-        if reduction not in ("mean", "sum"):
-            raise ValueError(f"loss_fn: its reduction is {reduction!r}; pipe.step needs a loss that reduces to a "
-                             "scalar ('mean' or 'sum')")
-        rows = [step._rows(microbatch) for microbatch in range(step.chunks)]
+    A ``loss_fn`` that does not say how it reduces (a function of the user's) is taken
+    to mean over rows, and checked once, on its first step: if ``loss_fn`` of the whole
+    batch differs from the weighted microbatch losses, the step raises.
+    """
+
+    def __init__(self, fn: Callable[[Any, Any], torch.Tensor], targets: list[Any], device: torch.device,
+                 check: bool) -> None:
+        items = [loss_fn_items(fn, _on_host(target)) for target in targets]
         self.fn = fn
-        self.targets = targets
-        self.weights = [1.0] * len(rows) if reduction == "sum" else [r / sum(rows) for r in rows]
-        self.values: list[torch.Tensor | None] = [None] * len(rows)  # each microbatch's share, detached
+        self.targets = [_moved(target, device) for target in targets]
+        self.weights = [1.0] * len(items) if items[0] is None else [_moved(w, device) for w in shares(items)]
+        self.values: list[torch.Tensor | None] = [None] * len(items)  # each microbatch's share, detached
+        self.outputs: list[Any] | None = [None] * len(items) if check else None  # kept for the check
 
     def share(self, microbatch: int, output: Any) -> torch.Tensor:
         """``microbatch``'s share of the loss, from its output."""
@@ -556,11 +576,36 @@ class _Loss:
         if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
             raise ValueError(f"loss_fn: must return a scalar tensor, got "
                              f"{list(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__}")
+        if self.outputs is not None:
+            self.outputs[microbatch] = tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, output)
         return loss * self.weights[microbatch]
 
     def total(self) -> torch.Tensor:
         """The step's loss: the shares summed."""
         return functools.reduce(operator.add, self.values)
+
+    def check_reduction(self, microbatch_dim: int | None, scalar_shares: list[torch.Tensor | float]) -> None:
+        """Raise unless ``loss_fn`` of the whole batch is the weighted microbatch losses."""
+        host_shares = _on_host(scalar_shares)
+        whole_output, whole_target = (_merged_on_host(parts, microbatch_dim, host_shares)
+                                      for parts in (self.outputs, self.targets))
+        expected, got = self.fn(whole_output, whole_target).detach().float(), self.total().cpu().float()
+        tolerance = 1e-4 if self.total().dtype in (torch.float32, torch.float64) else 2e-2
+        if not torch.allclose(got, expected, rtol=tolerance, atol=1e-6):
+            raise ValueError(
+                f"loss_fn: on the whole batch it gives {expected.item():.6g}, and its microbatches' losses weighted "
+                f"by their rows give {got.item():.6g}: it does not mean over rows (it sums, or ignores some targets), "
+                "and pipe.step would train on the wrong loss. Say how it reduces: give the function a "
+                "`reduction` attribute ('sum', or 'mean' with `ignore_index` for ignored integer targets), or "
+                "pass a torch loss such as nn.CrossEntropyLoss(ignore_index=-100)")
+
+
+def _merged_on_host(microbatches: list[Any], microbatch_dim: int | None,
+                    scalar_shares: list[torch.Tensor | float]) -> Any:
+    """The microbatches' values (each a tensor or a structure of them) as one batch on the host."""
+    flat = [tree_flatten(_on_host(value)) for value in microbatches]
+    merged = [_merge(list(parts), microbatch_dim, scalar_shares) for parts in zip(*[leaves for leaves, _ in flat])]
+    return tree_unflatten(merged, flat[0][1])
 
 
 def _smaller(schedule: Schedule, chunks: int) -> Schedule:
@@ -643,10 +688,12 @@ def _split_tensor(x: torch.Tensor, chunks: int | list[int], microbatch_dim: int 
     return pieces
 
 
-def _merge(parts: list[torch.Tensor], microbatch_dim: int | None) -> torch.Tensor:
-    """One output from its microbatches' parts; a scalar (a loss) is their mean."""
+def _merge(parts: list[torch.Tensor], microbatch_dim: int | None,
+           scalar_shares: list[torch.Tensor | float]) -> torch.Tensor:
+    """One output from its microbatches' parts; a scalar (a loss) is their sum weighted
+    by ``scalar_shares``."""
     if parts[0].dim() == 0:
-        return torch.stack(parts).mean()
+        return functools.reduce(operator.add, [part * share for part, share in zip(parts, scalar_shares)])
     if microbatch_dim is not None:
         return torch.stack(parts, microbatch_dim)
     return torch.cat(parts, 0)
@@ -655,6 +702,13 @@ def _merge(parts: list[torch.Tensor], microbatch_dim: int | None) -> torch.Tenso
 def _moved(value: Any, device: torch.device) -> Any:
     """``value`` (a tensor, or a structure of them) on ``device``."""
     return tree_map(lambda v: v.to(device) if isinstance(v, torch.Tensor) and v.device != device else v, value)
+
+
+def _on_host(value: Any) -> Any:
+    """``value`` with its XLA tensors copied to the host. What is counted from a batch
+    (its items: :mod:`xpipe.reduction`) is counted there: counted lazily on the device
+    from the microbatches, it made later graphs of the step compute wrong losses."""
+    return tree_map(lambda v: v.cpu() if isinstance(v, torch.Tensor) and v.device.type == "xla" else v, value)
 
 
 def _differentiable(value: Any) -> Any:

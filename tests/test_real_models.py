@@ -170,12 +170,15 @@ def test_resnet18_in_train_mode():
 
 def test_vit_b_16_on_four_devices():
     """torchvision's ViT-B/16 as built by its factory (12 blocks of width 768) on 32 x 32
-    images (4 patches)."""
+    images (4 patches), partitioned first as docs/models.md shows: the partition, kept
+    alive, holds none of the weights the Pipe then moves."""
     torch.manual_seed(0)
     model = torchvision.models.vit_b_16(image_size=32, num_classes=10)
     images = torch.randn(8, 3, 32, 32, generator=torch.Generator().manual_seed(1))
     targets = torch.randint(0, 10, (8,), generator=torch.Generator().manual_seed(2))
+    plan = xpipe.partition(model, 4, sample_input=images[:2], cost="flops")
     pipe = assert_pipe_matches(model, images, targets, F.cross_entropy, chunks=4, stages=4, executor="devices")
+    assert plan.graph.graph["annotated"], "the partition is still there, with its measured costs"
     holding_blocks = [any(name.startswith("encoder.layers.") for name in stage) for stage in pipe.partition.stages]
     assert all(holding_blocks), f"the encoder's blocks are layers of their own: {pipe.partition.stages}"
 
@@ -187,3 +190,27 @@ def test_a_one_row_sample_still_fits_every_microbatch_size_and_other_shapes_are_
     with pytest.raises(ValueError, match="x: the model was captured by torch.export on sample_input, and this "
                                          "microbatch does not fit that graph"):
         pipe(input_ids=tokens(8, 5))  # another sequence length
+
+
+def test_mobilenet_v3_with_an_in_place_activation_first_in_a_stage():
+    """``Hardswish(inplace=True)`` opens the last stage: it writes into its input, which
+    a stage receives as an autograd leaf. Train mode, 2 microbatches: the reference is the
+    plain model stepped on each microbatch (BatchNorm normalises each by its own
+    statistics in both), losses weighted by rows; loss, every gradient and the running
+    statistics, rtol 1e-4."""
+    torch.manual_seed(0)
+    model = torchvision.models.mobilenet_v3_small(num_classes=10, dropout=0.0)  # no masks to compare
+    reference = copy.deepcopy(model)
+    images = torch.randn(8, 3, 32, 32, generator=torch.Generator().manual_seed(1))
+    targets = torch.randint(0, 10, (8,), generator=torch.Generator().manual_seed(2))
+    pipe = xpipe.Pipe(model, chunks=2, stages=4, executor="devices", loss_fn=torch.nn.CrossEntropyLoss())
+    assert pipe.partition.stages[-1][0] == "classifier.1", pipe.partition.stages
+    loss = pipe.step(images, targets)
+    torch_xla.sync()
+    expected = sum(F.cross_entropy(reference(x), t) / 2 for x, t in zip(images.chunk(2), targets.chunk(2)))
+    expected.backward()
+    torch.testing.assert_close(loss.cpu(), expected.detach(), rtol=RTOL, atol=ATOL)
+    assert_gradients_match(pipe, reference)
+    state = pipe.state_dict()
+    for name, buffer in reference.named_buffers():
+        torch.testing.assert_close(state[name].cpu(), buffer, rtol=RTOL, atol=ATOL, msg=name)

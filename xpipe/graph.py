@@ -191,14 +191,18 @@ class _Profiler(torch.fx.Interpreter):
 def _count_saved(saved: dict[int, int], weights: set[int]) -> Iterator[None]:
     """Record the bytes of every activation autograd saves for backward, by storage.
 
-    Storages in ``weights`` (the model's parameters) are not activations.
+    Storages in ``weights`` (the model's parameters) are not activations. What is
+    kept is a detached alias: the saved tensor itself (a node's own output, say)
+    would tie the graph into a cycle through C++ that Python's collector never
+    frees, and the model's parameters would stay held by it (a later
+    ``swap_tensors``, when a Pipe moves them, then fails).
     """
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:
         storage = tensor.untyped_storage()
         if storage.data_ptr() not in weights:
             saved[storage.data_ptr()] = storage.nbytes()
-        return tensor
+        return tensor.detach()
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
         yield

@@ -168,7 +168,12 @@ class DevicesPipeline(nn.Module):
                 if p.requires_grad]
 
     def run_stage(self, stage: int, *args: Any) -> Any:
-        """Model stage ``stage``'s program on ``args``."""
+        """Model stage ``stage``'s program on ``args``. The autograd leaves among them
+        (that collect a stage input's gradient) go in as copies: a stage whose first
+        layer works in place (MobileNet's ``Hardswish(inplace=True)``) may not write into
+        a leaf, as it may into the activation it gets in the unpipelined model."""
+        args = tree_map(lambda a: a.clone() if isinstance(a, torch.Tensor) and a.is_leaf and a.requires_grad else a,
+                        args)
         return self.ties.run(stage, self.stage_modules[stage], *args)
 
     def flush(self) -> None:

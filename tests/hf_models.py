@@ -3,7 +3,7 @@ configs with random weights (nothing is downloaded)."""
 
 import torch
 from transformers import (BertConfig, BertForMaskedLM, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM,
-                          T5Config, T5ForConditionalGeneration)
+                          MixtralConfig, MixtralForCausalLM, T5Config, T5ForConditionalGeneration)
 
 
 def llama(layers: int = 4) -> LlamaForCausalLM:
@@ -22,6 +22,16 @@ def gpt2(layers: int = 4, dropout: float | None = None) -> GPT2LMHeadModel:
     if dropout is not None:
         config.resid_pdrop = config.embd_pdrop = config.attn_pdrop = dropout
     return GPT2LMHeadModel(config)
+
+
+def mixtral(layers: int = 4) -> MixtralForCausalLM:
+    """A mixture-of-experts decoder: 4 experts, 2 per token, routed by the data; its
+    experts as transformers runs them by default (grouped matmuls)."""
+    torch.manual_seed(0)
+    return MixtralForCausalLM(MixtralConfig(
+        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=layers, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, num_local_experts=4, num_experts_per_tok=2,
+        use_cache=False))
 
 
 def bert(layers: int = 4) -> BertForMaskedLM:

@@ -25,6 +25,7 @@ Both give a ``torch.fx.GraphModule`` whose parameters are the model's own object
 from __future__ import annotations
 
 import inspect
+import operator
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any
@@ -33,6 +34,8 @@ import torch
 import torch.fx
 from torch import nn
 from torch.utils._pytree import TreeSpec, tree_flatten, tree_map, tree_unflatten
+
+from xpipe.substitutes import substitute_operators
 
 CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
 
@@ -183,6 +186,7 @@ def _export(module: nn.Module, sample_input: Any) -> torch.fx.GraphModule:
     for node in traced.graph.nodes:  # the fake tensors of tracing hold weak references to the parameters
         for key in ("val", "tensor_meta", "example_value", "unbacked_bindings"):
             node.meta.pop(key, None)
+    substitute_operators(traced)
     return traced
 
 
@@ -266,6 +270,23 @@ def _checked(layer_of: dict[torch.fx.Node, str], current: str | None) -> dict[to
             "build the model from submodules (e.g. an nn.Sequential)"
         )
     return layer_of
+
+
+# the Python arithmetic torch.export records on sizes (``16 * batch``)
+_SIZE_ARITHMETIC = (operator.mul, operator.add, operator.sub, operator.floordiv, operator.mod, operator.neg)
+
+
+def is_batch_size(node: torch.fx.Node) -> bool:
+    """Whether ``node`` is the batch size (torch.export's ``sym_size(input, 0)``) or
+    arithmetic of it with constants (a Mixtral block's ``16 * batch`` token count).
+    torch.export computes such a size once, in the first layer that needs it, and
+    every later layer reads it from there."""
+    if node.op != "call_function":
+        return False
+    if node.target is torch.ops.aten.sym_size.int:
+        return node.args[0].op == "placeholder" and node.args[1] == 0
+    operands = [a for a in node.args if isinstance(a, torch.fx.Node)]
+    return node.target in _SIZE_ARITHMETIC and bool(operands) and all(is_batch_size(a) for a in operands)
 
 
 def extract_module(

@@ -36,7 +36,7 @@ import torch.fx
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from xpipe.capture import flat_inputs, trace_layers
+from xpipe.capture import flat_inputs, is_batch_size, trace_layers
 
 OUTPUT = "output"
 
@@ -93,8 +93,8 @@ def _build_graph(
         graph.add_node(name, kind="layer", index=index, module=name.partition("#")[0], ops=[])
     graph.graph["layers"] = layers
     graph.add_node(OUTPUT, kind="output")
-    for node in traced.graph.nodes:
-        if node.op in ("call_function", "call_method"):
+    for node in traced.graph.nodes:  # the batch size's arithmetic is not what a layer computes
+        if node.op in ("call_function", "call_method") and not is_batch_size(node):
             graph.nodes[layer_of[node]]["ops"].append(_op_name(node))
     _add_params(graph, module, traced, layer_of)
     _add_edges(graph, traced, layer_of)

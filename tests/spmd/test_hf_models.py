@@ -14,8 +14,8 @@ import torch
 import torch_xla
 import torch_xla.debug.metrics
 from equivalence import train_steps
-from hf_models import (assert_llama_step_matches, assert_loss_step_matches, bert, gpt2, llama, padding_mask, t5,
-                       tokens)
+from hf_models import (assert_llama_step_matches, assert_loss_step_matches, bert, gpt2, llama, mixtral, padding_mask,
+                       t5, tokens)
 
 import xpipe
 
@@ -44,6 +44,18 @@ def test_gpt2_with_labels_returns_the_models_own_loss(stages, data, layers):
     pipe = xpipe.Pipe(model, chunks=4, mesh=xpipe.make_mesh(stages, data),
                       sample_input={"input_ids": ids[:2], "labels": ids[:2]})
     assert pipe.executor == "spmd" and pipe.runner.block_count == layers
+    assert_loss_step_matches(pipe, reference, input_ids=ids, labels=ids)
+
+
+def test_mixtral_stacks_its_mixture_of_experts_blocks():
+    """Every block reads the token count (16 x the batch size), which each stacked block
+    computes from its own microbatch; routing, experts and router as the plain model."""
+    model = mixtral()
+    reference = copy.deepcopy(model)
+    ids = tokens(8, 8)
+    pipe = xpipe.Pipe(model, chunks=4, mesh=xpipe.make_mesh(2, 4), sample_input={"input_ids": ids[:2],
+                                                                              "labels": ids[:2]})
+    assert pipe.executor == "spmd" and pipe.runner.block_count == 4
     assert_loss_step_matches(pipe, reference, input_ids=ids, labels=ids)
 
 

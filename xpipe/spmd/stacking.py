@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from xpipe.capture import ExportedForm, extract_module, flat_inputs, trace_layers
+from xpipe.capture import ExportedForm, extract_module, flat_inputs, is_batch_size, trace_layers
 from xpipe.partition import Partition
 
 PRE, POST = "pre", "post"
@@ -63,8 +63,8 @@ def cut_for_stacking(module: nn.Module, partition: Partition, sample_input: Any 
     position = {name: index for index, name in enumerate(partition.graph.graph["layers"])}
 
     def segment(node: torch.fx.Node) -> str | int:
-        if node.op == "placeholder":
-            return PRE
+        if node.op == "placeholder" or (is_batch_size(node) and not node.meta.get(BLOCK_SIZE)):
+            return PRE  # sizes from the model's input: computed before the body, then read by every block
         if node.op == "output":
             return POST
         index = position[layer_of[node]]
@@ -137,27 +137,54 @@ def _block_interface(nodes: list[torch.fx.Node], segment_of: dict,
 
 
 def _batch_sizes(sides: list[torch.fx.Node]) -> list[torch.fx.Node]:
-    """The side inputs that are the batch size: torch.export's ``sym_size(input, 0)``."""
-    return [n for n in sides if n.op == "call_function" and n.target is torch.ops.aten.sym_size.int
-            and n.args[0].op == "placeholder" and n.args[1] == 0]
+    """The side inputs computed from the batch size alone."""
+    return [n for n in sides if is_batch_size(n)]
+
+
+BLOCK_SIZE = "xpipe_block_size"  # node meta: a size a block computes from its own stream
 
 
 def _read_batch_size_from_streams(traced: torch.fx.GraphModule, layer_of: dict[torch.fx.Node, str],
                                   streams: list[torch.fx.Node], sides: list[torch.fx.Node], segment_of: dict) -> bool:
-    """Let each block read the batch size from its own stream instead of from the
-    model's input (torch.export's ``sym_size(input, 0)``, which every block's
-    reshapes read): inside the stacked loop a block sees a microbatch's rows.
-    True if the trace changed."""
+    """Let each block compute the sizes it reads from its own stream's rows instead of
+    from the model's input (torch.export's ``sym_size(input, 0)``, and arithmetic of
+    it, which every block's reshapes read): inside the stacked loop a block sees a
+    microbatch's rows. True if the trace changed."""
     sizes = _batch_sizes(sides)
     for block, stream in enumerate(streams[:-1] if sizes else []):
         layer = next(layer_of[n] for n in layer_of if segment_of.get(n) == block)
         with traced.graph.inserting_after(stream):
             rows = traced.graph.call_function(torch.ops.aten.sym_size.int, (stream, 0))
+        rows.meta[BLOCK_SIZE] = True
         layer_of[rows] = layer
+        rebuilt: dict[torch.fx.Node, torch.fx.Node] = {}
+        last = rows
         for size in sizes:
+            own, last = _rebuilt(traced.graph, size, rows, rebuilt, last)
+            for node in rebuilt.values():
+                layer_of.setdefault(node, layer)
             for user in [u for u in size.users if segment_of.get(u) == block]:
-                user.replace_input_with(size, rows)
+                user.replace_input_with(size, own)
     return bool(sizes)
+
+
+def _rebuilt(graph: torch.fx.Graph, size: torch.fx.Node, rows: torch.fx.Node,
+             rebuilt: dict[torch.fx.Node, torch.fx.Node], last: torch.fx.Node) -> tuple[torch.fx.Node, torch.fx.Node]:
+    """``size``'s expression computed from ``rows`` instead of the model input's batch
+    size, inserted after ``last``; returns it and the last node inserted."""
+    if size.target is torch.ops.aten.sym_size.int:
+        return rows, last
+    if size in rebuilt:
+        return rebuilt[size], last
+    args = []
+    for arg in size.args:
+        if isinstance(arg, torch.fx.Node):
+            arg, last = _rebuilt(graph, arg, rows, rebuilt, last)
+        args.append(arg)
+    with graph.inserting_after(last):
+        rebuilt[size] = graph.call_function(size.target, tuple(args))
+    rebuilt[size].meta[BLOCK_SIZE] = True
+    return rebuilt[size], rebuilt[size]
 
 
 def dim_size(x: torch.Tensor, dim: int) -> int:
@@ -178,6 +205,14 @@ def functional_attention(*args: Any, **kwargs: Any) -> torch.Tensor:
     return F.scaled_dot_product_attention(*args, **kwargs)
 
 
+def reshaped_view(x: torch.Tensor, shape: list[int]) -> torch.Tensor:
+    """torch.export's ``aten.view`` as ``reshape``: under ``torch.vmap`` a view of a
+    permuted block activation (torch's attention merging its heads) is not always
+    contiguous in the batched layout, and ``view`` refuses it where the plain model's
+    succeeds. Only for views nothing writes into (a reshape may copy)."""
+    return x.reshape(shape)
+
+
 _VMAPPABLE = {
     torch.ops.aten.sym_size.int: dim_size,
     torch.ops.aten.dropout.default: functional_dropout,
@@ -191,7 +226,14 @@ def _vmappable(block: torch.fx.GraphModule) -> None:
     for node in block.graph.nodes:
         if node.op == "call_function" and node.target in _VMAPPABLE:
             node.target = _VMAPPABLE[node.target]
+        elif node.op == "call_function" and node.target is torch.ops.aten.view.default and not _written(node):
+            node.target = reshaped_view
     block.recompile()
+
+
+def _written(node: torch.fx.Node) -> bool:
+    """Whether an operation writes into ``node``'s value in place."""
+    return any(getattr(getattr(user.target, "_schema", None), "is_mutable", False) for user in node.users)
 
 
 def _check_sides_are_tensors(sides: list[torch.fx.Node]) -> None:

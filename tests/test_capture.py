@@ -102,3 +102,9 @@ def test_the_visualiser_draws_a_llama_with_its_layer_names(tmp_path):
     render(plan, gpipe(2, 4), tmp_path / "llama.svg")
     svg = (tmp_path / "llama.svg").read_text()
     assert all(name in svg for name in ("model.rotary_emb", "model.layers.3", "lm_head"))
+
+
+def test_an_encoder_decoder_without_its_decoder_input_is_told_what_to_add():
+    with pytest.raises(ValueError, match=r"an encoder-decoder model also needs its decoder's input: put labels= or "
+                                         r"decoder_input_ids= in sample_input"):
+        trace_layers(t5(), {"input_ids": tokens(2, 8)})

@@ -117,6 +117,9 @@ def test_parallel_loader_per_device_loader(device):
     batches = list(loader.per_device_loader(device))
     assert [tuple(b.shape) for b in batches] == [(2, 32, 8)] * 2
     assert len(loader.per_device_loader(device)) == 2
+    with pytest.raises(ValueError, match=r"device: this loader feeds \['xla:0'\], not 'xla:3'"):
+        loader.per_device_loader(torch.device("xla:3"))
+    loader.close()
 
 
 def test_input_sharding_outside_spmd_mode_is_refused(device):

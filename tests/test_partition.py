@@ -111,11 +111,18 @@ def test_printed_plan_is_a_table():
         ({"balance": [10, 0]}, "balance: every stage needs a positive whole number of layers"),
         ({"stages": 3, "balance": [5, 5]}, "balance: has 2 stages but stages=3"),
         ({}, "stages: give the number of stages, or balance="),
+        ({"stages": 2, "cost": "flops", "sample_input": torch.zeros(4, 5)},
+         r"sample_input: the model does not run on it \(mat1 and mat2 shapes cannot be multiplied"),
     ],
 )
 def test_bad_input_names_the_argument(kwargs, message):
     with pytest.raises(ValueError, match=message):
         xpipe.partition(mlp_stack(blocks=8), **kwargs)
+
+
+def test_a_sample_without_a_tensor_is_refused():
+    with pytest.raises(TypeError, match=r"sample_input: holds no tensor \(list of float\)"):
+        xpipe.partition(mlp_stack(blocks=8), 2, sample_input=[0.1, 0.2], cost="flops")
 
 
 def test_untraceable_model_is_rejected_with_the_fix():

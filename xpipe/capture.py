@@ -181,13 +181,41 @@ def _export(module: nn.Module, sample_input: Any) -> torch.fx.GraphModule:
     except Exception as error:
         raise ValueError(f"module: neither torch.fx nor torch.export can capture {type(module).__name__} "
                          f"({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}); "
-                         "for a Hugging Face model, set use_cache=False in its config") from error
+                         f"{_export_advice(module, kwargs, error)}") from error
     traced = exported.module()
+    traced.meta[INPUT_SHAPES] = _placeholder_shapes(traced)
     for node in traced.graph.nodes:  # the fake tensors of tracing hold weak references to the parameters
         for key in ("val", "tensor_meta", "example_value", "unbacked_bindings"):
             node.meta.pop(key, None)
     substitute_operators(traced)
     return traced
+
+
+INPUT_SHAPES = "xpipe_input_shapes"  # GraphModule meta: the sample's shape of each input (None: a free dim)
+
+
+def _placeholder_shapes(traced: torch.fx.GraphModule) -> list[tuple[str, tuple[int | None, ...] | None]]:
+    """Each input's name and the shape torch.export fixed for it (None for a dim it
+    left free, and for an input that is not a tensor)."""
+    shapes = []
+    for node in traced.graph.nodes:
+        if node.op == "placeholder":
+            value = node.meta.get("val")
+            shape = (tuple(d if isinstance(d, int) else None for d in value.shape)
+                     if isinstance(value, torch.Tensor) else None)
+            shapes.append((node.name, shape))
+    return shapes
+
+
+def _export_advice(module: nn.Module, kwargs: dict[str, Any], error: Exception) -> str:
+    """What to change when torch.export cannot capture ``module`` on the sample."""
+    config = getattr(module, "config", None)
+    if getattr(config, "is_encoder_decoder", False) and not {"labels", "decoder_input_ids"} & set(kwargs):
+        return ("an encoder-decoder model also needs its decoder's input: put labels= or decoder_input_ids= in "
+                "sample_input (and pass the same to the Pipe)")
+    if config is not None and getattr(config, "use_cache", False):
+        return "for a Hugging Face model, set use_cache=False in its config (a cache is not a tensor output)"
+    return "pass a sample_input that the model's forward accepts as it is, or fix what the error above names"
 
 
 def _at_least_two_rows(args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
@@ -330,11 +358,32 @@ class ExportedForm:
 
     output_spec: TreeSpec
     training: bool
+    input_shapes: list[tuple[str, tuple[int | None, ...] | None]]
 
     @classmethod
     def of(cls, traced: torch.fx.GraphModule, module: nn.Module) -> ExportedForm | None:
         """For a trace by torch.export; None for one by torch.fx (which keeps modes)."""
-        return cls(traced._out_spec, module.training) if hasattr(traced, "_out_spec") else None
+        if not hasattr(traced, "_out_spec"):
+            return None
+        return cls(traced._out_spec, module.training, traced.meta.get(INPUT_SHAPES, []))
+
+    def check_inputs(self, inputs: tuple, microbatch_dim: int | None) -> None:
+        """Refuse, naming the input, a batch whose shapes the graph cannot take: only the
+        batch dim may differ from the sample's (torch.export fixed every other)."""
+        leaves = tree_flatten(inputs)[0]
+        for (name, expected), value in zip(self.input_shapes, leaves):
+            if expected is None or not isinstance(value, torch.Tensor):
+                continue
+            shape = list(value.shape)
+            if microbatch_dim is not None and len(shape) > microbatch_dim:
+                del shape[microbatch_dim]
+            fits = len(shape) == len(expected) and all(e is None or e == d for e, d in zip(expected, shape))
+            if not fits:
+                sample = [":" if e is None else e for e in expected]
+                raise ValueError(f"x: input {name!r} has shape {shape}, and the model was captured by torch.export "
+                                 f"on sample_input with shape {sample} (':' the batch dim, the only one that may "
+                                 "differ); pass batches of that shape, or build the Pipe with a sample_input shaped "
+                                 "like your batches")
 
     def folded(self, output: Any) -> Any:
         """The graph's flat outputs as the model returns them."""

@@ -145,7 +145,14 @@ class ParallelLoader(torch_xla_loader.ParallelLoader):
         super().__init__(self._guarded, devices, batchdim=batch_dim, **kwargs)
 
     def per_device_loader(self, device) -> PerDeviceLoader:
-        """The iterator of ``device``'s batches."""
+        """The iterator of ``device``'s batches.
+
+        Raises:
+            ValueError: ``device`` is not one this loader feeds.
+        """
+        if torch.device(device) not in [torch.device(d) for d in self._devices]:
+            raise ValueError(f"device: this loader feeds {[str(d) for d in self._devices]}, not {str(device)!r}; "
+                             "ask for one of those, or build the loader with that device among its devices")
         return PerDeviceLoader(self, device)
 
     def per_device_samples(self) -> int:

@@ -66,10 +66,19 @@ def module_graph(
         raise TypeError(f"module: expected a torch.nn.Module, got {type(module).__name__}")
     if measure_time and sample_input is None:
         raise ValueError("measure_time: timing layers needs sample_input= as well")
+    if sample_input is not None and not any(isinstance(leaf, torch.Tensor) for leaf in flat_inputs(sample_input)):
+        raise TypeError(f"sample_input: holds no tensor ({type(sample_input).__name__} of "
+                        f"{', '.join(sorted({type(v).__name__ for v in flat_inputs(sample_input)})) or 'nothing'}); "
+                        "pass a batch as the model takes it: a tensor, a tuple of tensors, or a dict of keyword inputs")
     traced, layer_of = trace_layers(module, sample_input)
     graph = _build_graph(module, traced, layer_of)
     if sample_input is not None:
-        values = _profile(module, traced, flat_inputs(sample_input), measure_time)
+        try:
+            values = _profile(module, traced, flat_inputs(sample_input), measure_time)
+        except (RuntimeError, TypeError, IndexError) as error:
+            raise ValueError(f"sample_input: the model does not run on it ({str(error).splitlines()[0]}); pass a "
+                             "batch shaped as the model's forward takes it (only the batch size may differ from "
+                             "your real batches)") from error
         _annotate(graph, traced, layer_of, values, measure_time)
     return graph
 

@@ -254,7 +254,7 @@ class Pipe(nn.Module):
         return next((p.dtype for p in self.parameters() if p.is_floating_point()), None)
 
     def _apply(self, fn, recurse: bool = True):
-        raise RuntimeError(
+        raise TypeError(  # torchgpipe's type for a refused move
             "pipe: a Pipe's weights are placed on their XLA devices (and sharded, under spmd) when it is "
             "built; .to(), .cpu(), .cuda(), .half() and the like would move them out from under the "
             "pipeline. Convert the model before wrapping it (model.to(dtype)), or take pipe.state_dict() "

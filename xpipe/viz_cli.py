@@ -71,14 +71,15 @@ def _plan(arguments: argparse.Namespace) -> Partition:
     sample = _sample_input(model, arguments.input_shape, arguments.input_dtype)
     try:
         return partition(model, arguments.stages, sample_input=sample, cost=arguments.cost)
-    except RuntimeError as error:
-        raise ValueError(f"--input-shape {arguments.input_shape} does not fit the model: {error}") from error
-    except ValueError as error:
-        if "sample_input" not in str(error):
+    except ValueError as error:  # said in the API's words (sample_input=): say it in the command's
+        message = str(error).splitlines()[0]
+        if "sample_input" not in message:
             raise
-        raise ValueError(f"--input-shape: the model needs a sample batch here ({str(error).splitlines()[0]}); "
-                         "pass --input-shape with the batch's sizes, e.g. --input-shape 8,128 (and --input-dtype "
-                         "int64 for token ids)") from error
+        if sample is not None:
+            raise ValueError(f"--input-shape {arguments.input_shape} does not fit the model: {message}") from error
+        raise ValueError(f"--input-shape: the model needs a sample batch here ({message}); pass --input-shape "
+                         "with the batch's sizes, e.g. --input-shape 8,128 (and --input-dtype int64 for token "
+                         "ids)") from error
 
 
 def _read_plan(path: Path) -> Partition:

@@ -178,3 +178,11 @@ def test_a_mask_in_another_dtype_than_the_stream_is_refused_with_what_to_do():
     with pytest.raises(ValueError, match=r"per-row torch.float32 tensor .* compute it in torch.bfloat16"):
         packing_for(torch.zeros(2, 8, 32, dtype=torch.bfloat16), [torch.zeros(2, 1, 8, 8)])
     assert packing_for(torch.zeros(2, 8, 32, dtype=torch.bfloat16), [torch.zeros(2, 1, 8, 8, dtype=torch.bool)])
+
+
+def test_token_ids_of_another_shape_are_refused_naming_the_input():
+    pipe = xpipe.Pipe(gpt2(2), chunks=2, mesh=xpipe.make_mesh(2, 4), sample_input={"input_ids": tokens(2, 8)})
+    for ids, shape in [(tokens(1, 8)[0], r"\[8\]"), (torch.randint(0, 128, (4, 40)), r"\[4, 40\]")]:
+        with pytest.raises(ValueError, match=rf"x: input 'input_ids' has shape {shape}, and the model was captured "
+                                             r"by torch.export on sample_input with shape \[':', 8\]"):
+            pipe(input_ids=ids)

@@ -195,7 +195,7 @@ class DevicesPipeline(nn.Module):
         return self.plans[chunks]
 
     def forward(self, *inputs: torch.Tensor, microbatch_dim: int | None = None) -> Any:
-        self._begin(inputs)
+        self._begin(inputs, microbatch_dim)
         split = [_split(x, self.chunks, microbatch_dim) for x in inputs]
         plan = self.plan_for(len(split[0]))
         differentiating = torch.is_grad_enabled()
@@ -219,7 +219,7 @@ class DevicesPipeline(nn.Module):
         """Run one training step as the schedule's table orders it: every forward, the
         loss of each microbatch on the last stage, and every backward, leaving in
         ``.grad`` the gradients of ``loss_fn(module(inputs), target)``; returns the loss."""
-        self._begin(inputs)
+        self._begin(inputs, microbatch_dim)
         split = [_split(x, self.chunks, microbatch_dim) for x in inputs]
         plan = self.plan_for(len(split[0]))
         targets = _split(target, [_rows(piece) for piece in split[0]] if microbatch_dim is None else self.chunks,
@@ -241,13 +241,14 @@ class DevicesPipeline(nn.Module):
             self.checked_losses.append(loss_fn)
         return step.loss.total()
 
-    def _begin(self, inputs: tuple[Any, ...]) -> None:
+    def _begin(self, inputs: tuple[Any, ...], microbatch_dim: int | None) -> None:
         """Checks and bookkeeping shared by ``forward`` and ``step``."""
         names = self.staged.inputs
         if len(inputs) != len(names):
             raise TypeError(f"x: the model takes {len(names)} inputs ({', '.join(names)}), got {len(inputs)}")
         if self.staged.exported is not None:
             self.staged.exported.check_mode(self.training)
+            self.staged.exported.check_inputs(inputs, microbatch_dim)
         self.flush()
         if not self._flush_pending:
             xm.add_step_closure(self.flush)

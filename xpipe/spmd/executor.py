@@ -165,6 +165,7 @@ class SpmdPipeline(nn.Module):
         self._check_flags_unchanged()
         if self.exported is not None:
             self.exported.check_mode(self.training)
+            self.exported.check_inputs(inputs, microbatch_dim)
         device = self.body.weights[0].device
         microbatched = microbatch_dim is not None
         natural = tree_map(lambda x: x.to(device) if not microbatched else

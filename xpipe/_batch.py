@@ -15,6 +15,11 @@ import torch
 from torch.utils._pytree import tree_flatten
 
 
+def rows(value: Any) -> int:
+    """Rows (dim 0) of the first tensor in ``value`` (a tensor, or a structure of them)."""
+    return tree_flatten(value)[0][0].shape[0]
+
+
 def batch_size(inputs: tuple[torch.Tensor, ...], chunks: int, microbatch_dim: int | None) -> int:
     """Rows in the batch that ``inputs`` carry (all of them the same).
 

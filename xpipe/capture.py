@@ -181,7 +181,7 @@ def _export(module: nn.Module, sample_input: Any) -> torch.fx.GraphModule:
     except Exception as error:
         raise ValueError(f"module: neither torch.fx nor torch.export can capture {type(module).__name__} "
                          f"({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}); "
-                         f"{_export_advice(module, kwargs, error)}") from error
+                         f"{_export_advice(module, kwargs)}") from error
     traced = exported.module()
     traced.meta[INPUT_SHAPES] = _placeholder_shapes(traced)
     for node in traced.graph.nodes:  # the fake tensors of tracing hold weak references to the parameters
@@ -207,7 +207,7 @@ def _placeholder_shapes(traced: torch.fx.GraphModule) -> list[tuple[str, tuple[i
     return shapes
 
 
-def _export_advice(module: nn.Module, kwargs: dict[str, Any], error: Exception) -> str:
+def _export_advice(module: nn.Module, kwargs: dict[str, Any]) -> str:
     """What to change when torch.export cannot capture ``module`` on the sample."""
     config = getattr(module, "config", None)
     if getattr(config, "is_encoder_decoder", False) and not {"labels", "decoder_input_ids"} & set(kwargs):

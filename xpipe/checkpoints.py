@@ -425,12 +425,12 @@ def _positional_optimizer_state(pipe: nn.Module, optimizer: torch.optim.Optimize
 def _load_optimizer_or_change_nothing(optimizer: torch.optim.Optimizer, state: dict[str, Any], path: Path) -> None:
     """``optimizer.load_state_dict(state)``, or, if it fails (state of another kind of
     optimizer, in a checkpoint that does not record its kind), the optimizer as it was."""
-    current = {key: value.keys() for key, value in optimizer.state.items()}
-    loaded = state["state"].values()
-    if current and loaded and set(next(iter(current.values()))) != set(next(iter(loaded))):
-        raise ValueError(f"optimizer: the checkpoint {str(path)!r} holds optimizer state "
-                         f"{sorted(next(iter(loaded)))}, and this optimizer keeps {sorted(next(iter(current.values())))}; "
-                         "build the optimizer the checkpoint was saved with, or load with optimizer=None")
+    kept = next((sorted(value) for value in optimizer.state.values()), None)  # one parameter's state keys
+    loaded = next((sorted(value) for value in state["state"].values()), None)
+    if kept and loaded and kept != loaded:
+        raise ValueError(f"optimizer: the checkpoint {str(path)!r} holds optimizer state {loaded}, and this "
+                         f"optimizer keeps {kept}; build the optimizer the checkpoint was saved with, or load with "
+                         "optimizer=None")
     before = optimizer.state, optimizer.param_groups  # load_state_dict puts new objects in their place
     try:
         optimizer.load_state_dict(state)

@@ -20,6 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils._pytree import tree_flatten
 
+from xpipe._batch import rows
+
 IGNORE_INDEX = -100  # torch's and Hugging Face's default for targets that do not count
 
 # torch's functions that mean over targets that are not ignored (default ignore_index)
@@ -53,7 +55,7 @@ def loss_fn_items(loss_fn: Callable[..., Any], target: Any) -> Items | None:
     ignore_index = IGNORE_INDEX if loss_fn in _IGNORING_FUNCTIONS else getattr(loss_fn, "ignore_index", None)
     first = tree_flatten(target)[0][0]
     if ignore_index is None or first.is_floating_point():
-        return _rows(target)
+        return rows(target)
     valid = first != ignore_index
     weight = getattr(loss_fn, "weight", None)  # nn.CrossEntropyLoss divides by the targets' class weights
     if isinstance(weight, torch.Tensor):
@@ -69,7 +71,7 @@ def model_loss_items(module: torch.nn.Module, inputs: Mapping[str, Any]) -> Item
     labels = inputs.get("labels")
     config = getattr(module, "config", None)
     if config is None or not isinstance(labels, torch.Tensor) or labels.is_floating_point():
-        return _rows(next(iter(inputs.values())))
+        return rows(next(iter(inputs.values())))
     loss_type = getattr(module, "loss_type", None) or "ForCausalLM"  # transformers' own default
     if loss_type == "ForCausalLM" and not getattr(config, "is_encoder_decoder", False):
         labels = labels[..., 1:]
@@ -80,8 +82,3 @@ def shares(items: list[Items]) -> list[torch.Tensor | float]:
     """Each microbatch's share of the batch's items (they sum to 1)."""
     total = sum(items)
     return [count / total for count in items]
-
-
-def _rows(value: Any) -> int:
-    """Rows (dim 0) of the first tensor in ``value``."""
-    return tree_flatten(value)[0][0].shape[0]

@@ -8,8 +8,9 @@ custom op on XLA, those writes never reach the output, which stays zero (measure
 with torch_xla 2.9: the experts' output and every expert and router gradient are
 lost, in silence). The same blocks count tokens per expert with ``torch.histc``,
 which torch_xla's eager path refuses on integers and ``torch.vmap`` cannot batch
-(with it inside the spmd executor's stacked blocks, the process crashed). xpipe rewrites such calls in the graphs it captures to
-functions of plain torch operations with the same meaning.
+(with it inside the spmd executor's stacked blocks, the process crashed). xpipe
+rewrites such calls in the graphs it captures to functions of plain torch
+operations with the same meaning.
 
 The substitute also suits XLA better than the original: it has static shapes (the
 original slices by token counts read back to the host, so every new routing would

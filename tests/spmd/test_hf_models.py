@@ -91,7 +91,8 @@ def test_gpt2_trains_with_its_dropout():
     by more, and it falls."""
     model = gpt2(4)  # GPT-2's default dropout, 0.1 everywhere
     ids = tokens(8, 8)
-    pipe = xpipe.Pipe(model, chunks=4, mesh=xpipe.make_mesh(4, 2), sample_input={"input_ids": ids[:2], "labels": ids[:2]})
+    pipe = xpipe.Pipe(model, chunks=4, mesh=xpipe.make_mesh(4, 2),
+                      sample_input={"input_ids": ids[:2], "labels": ids[:2]})
     optimizer = torch.optim.AdamW(pipe.parameters(), lr=1e-2)
     losses, compiles = train_steps(lambda: pipe(input_ids=ids, labels=ids).loss, optimizer)
     # AdamW's first step also creates its state (another graph); after that, nothing new.

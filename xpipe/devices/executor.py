@@ -43,7 +43,7 @@ import torch_xla.core.xla_model as xm
 from torch import nn
 from torch.utils._pytree import TreeSpec, tree_flatten, tree_map, tree_unflatten
 
-from xpipe._batch import check_outputs
+from xpipe._batch import check_outputs, rows
 from xpipe._batchnorm import RunningStatistics
 from xpipe._xla import to_host
 from xpipe.checkpoint import kept_cells
@@ -222,7 +222,7 @@ class DevicesPipeline(nn.Module):
         self._begin(inputs, microbatch_dim)
         split = [_split(x, self.chunks, microbatch_dim) for x in inputs]
         plan = self.plan_for(len(split[0]))
-        targets = _split(target, [_rows(piece) for piece in split[0]] if microbatch_dim is None else self.chunks,
+        targets = _split(target, [rows(piece) for piece in split[0]] if microbatch_dim is None else self.chunks,
                          microbatch_dim)
         if len(targets) != len(split[0]):
             raise ValueError(f"target: splits into {len(targets)} microbatches, the inputs into {len(split[0])}; "
@@ -463,7 +463,7 @@ class _Step:
 
     def _rows(self, microbatch: int) -> int:
         """Rows of ``microbatch``, read from the model's first input."""
-        return _rows(next(iter(self.inputs[microbatch].values())))
+        return rows(next(iter(self.inputs[microbatch].values())))
 
     def _received_grad(self, microbatch: int, key: tuple[str, int], device: torch.device) -> torch.Tensor | None:
         """The gradient of a value's leaf, summed over the stages that read it."""
@@ -487,10 +487,10 @@ class _Step:
         return [_moved(share, last) for share in shares(items)]
 
     def set_output_grads(self, grads: tuple[torch.Tensor | None, ...]) -> None:
-        rows = [self._rows(microbatch) for microbatch in range(self.chunks)]
+        sizes = [self._rows(microbatch) for microbatch in range(self.chunks)]
         split = [[None] * self.chunks if g is None else
                  [g * share for share in self.scalar_shares] if g.dim() == 0 else
-                 _split(g, rows, self.microbatch_dim) for g in grads]
+                 _split(g, sizes, self.microbatch_dim) for g in grads]
         last = self.pipeline.stage_devices[-1]
         self.output_grads = [[_moved(g, last) for g in per_leaf] for per_leaf in zip(*split)]
 
@@ -636,8 +636,8 @@ def _backward_phase(schedule: Schedule) -> list[list[Action]] | None:
 
 def _cells_by_clock(schedule: Schedule, kinds: tuple[str, ...]) -> list[list[Action]]:
     """The table's cells of ``kinds``, by clock, idle cells and empty clocks left out."""
-    rows = [[cell for cell in row if cell is not None and cell.kind in kinds] for row in schedule.table]
-    return [row for row in rows if row]
+    clocks = [[cell for cell in row if cell is not None and cell.kind in kinds] for row in schedule.table]
+    return [cells for cells in clocks if cells]
 
 
 @contextlib.contextmanager
@@ -658,11 +658,6 @@ def _guard_failures_explained() -> Iterator[None]:
 def _bytes(values: list[Any]) -> int:
     """Bytes of the tensors among ``values`` and inside their structures."""
     return sum(v.numel() * v.element_size() for v in tree_flatten(values)[0] if isinstance(v, torch.Tensor))
-
-
-def _rows(value: Any) -> int:
-    """Rows (dim 0) of the first tensor in ``value``."""
-    return tree_flatten(value)[0][0].shape[0]
 
 
 def _keyed_leaves(names: tuple[str, ...], values: Any) -> list[tuple[tuple[str, int], Any]]:

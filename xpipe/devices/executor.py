@@ -595,8 +595,9 @@ class _Loss:
         host_shares = _on_host(scalar_shares)
         whole_output, whole_target = (_merged_on_host(parts, microbatch_dim, host_shares)
                                       for parts in (self.outputs, self.targets))
-        expected, got = self.fn(whole_output, whole_target).detach().float(), self.total().cpu().float()
-        tolerance = 1e-4 if self.total().dtype in (torch.float32, torch.float64) else 2e-2
+        total = self.total()
+        expected, got = self.fn(whole_output, whole_target).detach().float(), total.cpu().float()
+        tolerance = 1e-4 if total.dtype in (torch.float32, torch.float64) else 2e-2
         if not torch.allclose(got, expected, rtol=tolerance, atol=1e-6):
             raise ValueError(
                 f"loss_fn: on the whole batch it gives {expected.item():.6g}, and its microbatches' losses weighted "

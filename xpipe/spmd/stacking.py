@@ -161,10 +161,9 @@ def _read_batch_size_from_streams(traced: torch.fx.GraphModule, layer_of: dict[t
         last = rows
         for size in sizes:
             own, last = _rebuilt(traced.graph, size, rows, rebuilt, last)
-            for node in rebuilt.values():
-                layer_of.setdefault(node, layer)
             for user in [u for u in size.users if segment_of.get(u) == block]:
                 user.replace_input_with(size, own)
+        layer_of.update(dict.fromkeys(rebuilt.values(), layer))
     return bool(sizes)
 
 

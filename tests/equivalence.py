@@ -99,6 +99,6 @@ def assert_loads_exactly(folder, saved: dict[str, torch.Tensor],
     layout and plain modules alike, with every tensor of ``saved`` bit-equal."""
     for model, optimizer in targets:
         (xpipe.load if isinstance(model, xpipe.Pipe) else checkpoints.load_plain)(folder, model, optimizer)
-        state = model.state_dict()
+        state = model.host_state_dict() if isinstance(model, xpipe.Pipe) else model.state_dict()
         for key, value in saved.items():
             assert torch.equal(state[key].cpu(), value), f"{key} loaded into {type(model).__name__}"

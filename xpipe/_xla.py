@@ -197,3 +197,36 @@ def _assembled(tensor: torch.Tensor, shards: list[tuple[torch.Tensor, Any]]) -> 
         whole[index] = data[tuple(slice(0, part.stop - part.start) for part in indices)]
         covered[index] = True
     return whole if bool(covered.all()) else tensor.cpu()
+
+
+def kept_shardings(tensors: list[torch.Tensor]) -> list[tuple[torch.Tensor, Any]]:
+    """Each sharded XLA tensor of ``tensors`` with its sharding, to put back with
+    :func:`restore_shardings` after an in-place load (``copy_`` into a sharded
+    tensor leaves it replicated: a whole copy on every device, and a new program)."""
+    import torch_xla
+
+    kept = []
+    for tensor in tensors:
+        if tensor.device.type == "xla":
+            sharding = torch_xla._XLAC._get_xla_op_sharding(tensor)
+            if sharding is not None:
+                kept.append((tensor, sharding))
+    return kept
+
+
+def restore_shardings(kept: list[tuple[torch.Tensor, Any]]) -> None:
+    """Shard each tensor as :func:`kept_shardings` found it, and materialize it: the
+    next step then runs the program it ran before the load, not one with the load in it."""
+    import torch_xla
+
+    for tensor, sharding in kept:
+        torch_xla._XLAC._xla_mark_sharding(tensor, sharding)
+    if kept:
+        torch_xla._XLAC._xla_sync_multi([tensor for tensor, _ in kept], devices=[], wait=True)
+
+
+def shard_like(tensor: torch.Tensor, like: torch.Tensor) -> None:
+    """Shard ``tensor`` (an optimizer's state loaded onto the device, say) as ``like``
+    (its parameter), if ``like`` is sharded and they have one shape."""
+    if tensor.device.type == "xla" and tensor.shape == like.shape:
+        restore_shardings([(tensor, sharding) for _, sharding in kept_shardings([like])])

@@ -5,9 +5,10 @@ before the runtime starts, so the audit is two calls:
 
     xpipe.inspect.enable_hlo_dump()          # first thing, before any XLA tensor
     ...
-    report = xpipe.inspect.audit(lambda: train_step(batch))
-    print(report)                              # kind, count, bytes, groups, in loop or not
-    report.count("all-gather"), report.peak_bytes
+    report = xpipe.inspect.audit(lambda: train_step(batch), mesh=pipe.mesh)
+    print(report)                              # kind, axes, in loop or not, bytes, groups
+    report.count("all-gather", axis="fsdp", in_loop=True), report.peak_bytes
+    xpipe.inspect.bytes_per_device(pipe.parameters())   # what each device holds
 
 :func:`collectives` parses HLO text on its own, for dumps made any other way.
 """
@@ -20,11 +21,13 @@ import os
 import re
 import shutil
 import tempfile
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
+import torch
 
 KINDS = ("all-reduce", "all-gather", "all-to-all", "reduce-scatter", "collective-permute",
          "collective-broadcast")
@@ -46,6 +49,7 @@ class Collective:
     groups: tuple[tuple[int, ...], ...]  # replica groups, or source-target pairs for permutes
     computation: str  # HLO computation that holds it
     in_loop: bool  # inside a while loop body: runs once per iteration
+    axes: tuple[str, ...] = ()  # the mesh axes its groups span (or its pairs move along), when audited with a mesh
 
 
 @dataclass(frozen=True)
@@ -56,20 +60,23 @@ class CommunicationReport:
     program: str  # path of the HLO dump read
     peak_bytes: int | None = None  # peak memory of one device, from XLA's buffer assignment
 
-    def count(self, kind: str, *, in_loop: bool | None = None) -> int:
-        """How many ``kind`` instructions, optionally only those in (or out of) loops."""
-        return len(self.of(kind, in_loop=in_loop))
+    def count(self, kind: str, *, in_loop: bool | None = None, axis: str | None = None) -> int:
+        """How many ``kind`` instructions, optionally only those in (or out of) loops,
+        or only those whose groups span mesh axis ``axis``."""
+        return len(self.of(kind, in_loop=in_loop, axis=axis))
 
-    def of(self, kind: str, *, in_loop: bool | None = None) -> list[Collective]:
+    def of(self, kind: str, *, in_loop: bool | None = None, axis: str | None = None) -> list[Collective]:
         if kind not in KINDS:
             raise ValueError(f"kind: {kind!r} is not a collective; use one of {', '.join(KINDS)}")
-        return [op for op in self.ops if op.kind == kind and (in_loop is None or op.in_loop == in_loop)]
+        return [op for op in self.ops if op.kind == kind and (in_loop is None or op.in_loop == in_loop)
+                and (axis is None or axis in op.axes)]
 
     def __str__(self) -> str:
-        lines = [f"{'collective':<20} {'where':<6} {'bytes':>10}  groups"]
+        lines = [f"{'collective':<20} {'axes':<18} {'where':<6} {'bytes':>10}  groups"]
         for op in self.ops:
             groups = " ".join("{" + ",".join(map(str, g)) + "}" for g in op.groups[:8])
-            lines.append(f"{op.kind:<20} {'loop' if op.in_loop else 'step':<6} {op.bytes:>10}  {groups}")
+            axes = ",".join(op.axes) or "-"
+            lines.append(f"{op.kind:<20} {axes:<18} {'loop' if op.in_loop else 'step':<6} {op.bytes:>10}  {groups}")
         totals = ", ".join(f"{kind} {self.count(kind)}" for kind in KINDS if self.count(kind))
         return "\n".join([*lines, f"total: {totals or 'none'}"])
 
@@ -100,10 +107,14 @@ def enable_hlo_dump(directory: str | os.PathLike | None = None) -> Path:
     return path
 
 
-def audit(step: Callable[[], object]) -> CommunicationReport:
+def audit(step: Callable[[], object], mesh: Any = None) -> CommunicationReport:
     """Run ``step`` (which builds a training step's lazy graph), compile and execute it,
     and report the collectives of the largest program it compiled. What ``step``
     returns, and the gradients it leaves, are what gets computed.
+
+    With ``mesh`` (a torch_xla ``Mesh``, e.g. ``pipe.mesh``) each collective names
+    the mesh axes its replica groups span (for a collective-permute: the axes its
+    pairs move along).
 
     Raises:
         RuntimeError: without :func:`enable_hlo_dump`, or if ``step`` compiled nothing
@@ -123,7 +134,39 @@ def audit(step: Callable[[], object]) -> CommunicationReport:
     del result
     if not new:
         raise RuntimeError("audit: the step compiled no new program (it was cached); audit a step's first run")
-    return CommunicationReport(tuple(collectives(Path(new[-1]).read_text())), new[-1], _peak_bytes(new[-1]))
+    ops = collectives(Path(new[-1]).read_text())
+    if mesh is not None:
+        ops = [replace(op, axes=spanned_axes(op, mesh)) for op in ops]
+    return CommunicationReport(tuple(ops), new[-1], _peak_bytes(new[-1]))
+
+
+def spanned_axes(op: Collective, mesh: Any) -> tuple[str, ...]:
+    """The axes of ``mesh`` along which the devices of ``op``'s groups (or of each of a
+    permute's source-target pairs) differ, in the mesh's order."""
+    coordinates = {int(device): index for index, device in np.ndenumerate(np.asarray(mesh.get_logical_mesh()))}
+    names = tuple(mesh.axis_names)
+    varying: set[int] = set()
+    for group in op.groups:
+        places = np.array([coordinates[device] for device in group if device in coordinates])
+        if len(places) > 1:
+            varying.update(int(axis) for axis in np.flatnonzero((places != places[0]).any(0)))
+    return tuple(names[axis] for axis in sorted(varying))
+
+
+def bytes_per_device(tensors: Iterable[torch.Tensor]) -> dict[str, int]:
+    """The bytes each XLA device holds of ``tensors`` (each counted once), read from
+    the shards it holds: ``{"xla:0": ..., ...}``. A tensor not sharded under SPMD
+    counts whole on its device (every device, in SPMD mode)."""
+    import torch_xla
+
+    unique = list({id(t): t.detach() for t in tensors if t.device.type == "xla"}.values())
+    held: dict[str, int] = {}
+    if unique:
+        torch_xla._XLAC._xla_sync_multi(unique, devices=[], wait=True)
+    for shards in (torch_xla._XLAC._get_local_shards(unique) if unique else []):
+        for data, device in shards:
+            held[device] = held.get(device, 0) + data.numel() * data.element_size()
+    return held
 
 
 def collectives(hlo: str) -> list[Collective]:

@@ -1,6 +1,8 @@
-"""The ("data", "stage") device mesh, and switching the process into SPMD mode.
+"""The device mesh (axes "data", "stage" and, for ZeRO-3 inside the stages, "fsdp"),
+and switching the process into SPMD mode.
 
-    mesh = xpipe.make_mesh(stages=4)          # on 8 devices: 2 (data) x 4 (stage)
+    mesh = xpipe.make_mesh(stages=4)                   # on 8 devices: 2 (data) x 4 (stage)
+    mesh = xpipe.make_mesh(stages=2, fsdp=4)           # 2 stages, each sharded over 4 devices
 """
 
 from __future__ import annotations
@@ -13,8 +15,9 @@ import torch_xla.runtime as xr
 
 from xpipe._checks import check_positive_int
 from xpipe._xla import check_can_enter_spmd, warm_autograd
+from xpipe.layout import MeshAxes
 
-AXES = ("data", "stage")
+AXES = ("data", "stage", "fsdp")  # the axes a mesh may have; one of size 1 may be left out, but "stage"
 
 
 def spmd_device() -> torch.device:
@@ -36,39 +39,65 @@ def spmd_device() -> torch.device:
     return device
 
 
-def make_mesh(stages: int, data: int | None = None) -> xs.Mesh:
-    """A mesh of all XLA devices with axes ``("data", "stage")``.
+def make_mesh(stages: int, data: int | None = None, *, fsdp: int = 1) -> xs.Mesh:
+    """A mesh of all XLA devices with axes ``("data", "stage")``, and ``"fsdp"`` last
+    when ``fsdp > 1``.
 
-    Device ``s * data + d`` is data replica ``d`` of stage ``s``: the devices of a
-    stage are neighbours, and a batch sharded over ("stage", "data") lies on the
-    devices in order.
+    Devices are numbered stage-major: device ``(s * data + d) * fsdp + f`` is fsdp
+    shard ``f`` of data replica ``d`` of stage ``s``. The devices of a stage are
+    neighbours (on a pod: one host or one slice, where the links are fast), and a
+    batch sharded over ("stage", "data", "fsdp") lies on the devices in order.
+
+    "data" replicates each stage's weights; "fsdp" shards them (ZeRO-3: weights,
+    gradients and optimizer state), gathered once per step.
 
     Args:
         stages: size of the "stage" axis (pipeline stages).
-        data: size of the "data" axis; defaults to ``devices // stages``.
+        data: size of the "data" axis; defaults to ``devices // (stages * fsdp)``.
+        fsdp: size of the "fsdp" axis.
 
     Raises:
-        ValueError: if ``data * stages`` is not the device count; the message lists
-            the stage counts that would fit.
+        ValueError: if ``stages * data * fsdp`` is not the device count; the message
+            lists the sizes that would fit.
     """
-    data, stages = mesh_shape(stages, data)
+    axes = mesh_axes(stages, data, fsdp=fsdp)
     spmd_device()
-    return xs.Mesh(np.arange(data * stages).reshape(stages, data).T.flatten(), (data, stages), AXES)
+    order = np.arange(axes.devices).reshape(axes.stage, axes.data, axes.fsdp).transpose(1, 0, 2)
+    if axes.fsdp == 1:
+        return xs.Mesh(order.flatten(), (axes.data, axes.stage), AXES[:2])
+    return xs.Mesh(order.flatten(), (axes.data, axes.stage, axes.fsdp), AXES)
 
 
-def mesh_shape(stages: int, data: int | None = None) -> tuple[int, int]:
-    """``(data, stages)`` of a mesh of all XLA devices, checked without entering SPMD mode.
+def mesh_axes(stages: int, data: int | None = None, *, fsdp: int = 1) -> MeshAxes:
+    """The axes of a mesh of all XLA devices, checked without entering SPMD mode.
 
     Raises:
         ValueError: as :func:`make_mesh`.
     """
     devices = xr.global_runtime_device_count()
     stages = check_positive_int(stages, "stages")
-    data = devices // stages if data is None else check_positive_int(data, "data")
-    if data < 1 or data * stages != devices:
-        fits = [s for s in range(1, devices + 1) if devices % s == 0]
+    fsdp = check_positive_int(fsdp, "fsdp")
+    data = devices // (stages * fsdp) if data is None else check_positive_int(data, "data")
+    if data < 1 or data * stages * fsdp != devices:
+        fits = [s for s in range(1, devices + 1) if devices % (s * fsdp) == 0]
         raise ValueError(
-            f"stages: a mesh of data={data} x stages={stages} needs {data * stages} devices but there are "
-            f"{devices}; use stages in {fits} with data = {devices} // stages"
-        )
-    return data, stages
+            f"stages: a mesh of stages={stages} x data={data} x fsdp={fsdp} needs {stages * data * fsdp} devices "
+            f"but there are {devices}; with fsdp={fsdp} use stages in {fits} and data = {devices} // "
+            f"(stages * fsdp)")
+    return MeshAxes(stages, data, fsdp)
+
+
+def axes_of(mesh: xs.Mesh) -> MeshAxes:
+    """The axes of ``mesh``, checked to be a mesh the spmd executor runs on.
+
+    Raises:
+        ValueError: naming ``mesh`` if it is not a torch_xla Mesh with a "stage"
+            axis and otherwise only "data" and "fsdp".
+    """
+    names = tuple(getattr(mesh, "axis_names", None) or ())
+    if not isinstance(mesh, xs.Mesh) or "stage" not in names or not set(names) <= set(AXES) \
+            or len(set(names)) != len(names):
+        raise ValueError(f"mesh: expected a mesh with a 'stage' axis and optionally 'data' and 'fsdp', got "
+                         f"{names or mesh!r}; build it with xpipe.make_mesh")
+    sizes = dict(zip(names, (int(size) for size in mesh.mesh_shape)))
+    return MeshAxes(sizes["stage"], sizes.get("data", 1), sizes.get("fsdp", 1))

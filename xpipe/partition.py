@@ -178,7 +178,20 @@ def partition(
         >>> print(plan)
     """
     stages = _check_arguments(stages, cost, balance, sample_input)
-    graph = module_graph(module, sample_input, measure_time=cost == "time")
+    return _split(module_graph(module, sample_input, measure_time=cost == "time"), stages, cost, balance)
+
+
+def rebalanced(plan: Partition, balance: Sequence[int]) -> Partition:
+    """``plan``'s model split by ``balance`` instead, from the graph ``plan`` already
+    holds: the model is not captured again.
+
+    Raises:
+        ValueError: if ``balance`` does not fit the model's layers.
+    """
+    return _split(plan.graph.copy(), len(balance), plan.cost, balance)
+
+
+def _split(graph: nx.DiGraph, stages: int, cost: str, balance: Sequence[int] | None) -> Partition:
     names = layer_names(graph)
     layer_costs = [float(layer_cost(graph.nodes[name], cost)) for name in names]
     entry = _entry_bytes(graph) if cost == "memory" else None

@@ -28,13 +28,13 @@ from torch.utils._pytree import tree_flatten, tree_map
 from xpipe._batch import batch_size, check_floating_inputs
 from xpipe._checks import check_positive_int
 from xpipe._retired import retire
-from xpipe._xla import can_enter_spmd, move_keeping_ties, rebind, warm_autograd
+from xpipe._xla import can_enter_spmd, kept_shardings, move_keeping_ties, rebind, restore_shardings, warm_autograd
 from xpipe.capture import place_constants_on
 from xpipe.checkpoint import check_mode
 from xpipe.devices.executor import DevicesPipeline
 from xpipe.devices.stages import cut_into_stages
-from xpipe.mesh import make_mesh, mesh_shape, spmd_device
-from xpipe.partition import Partition, partition
+from xpipe.mesh import axes_of, make_mesh, mesh_axes, spmd_device
+from xpipe.partition import Partition, partition, rebalanced
 from xpipe.schedule import Schedule, by_name
 from xpipe.spmd.executor import SCHEDULES as SPMD_SCHEDULES
 from xpipe.spmd.executor import SpmdPipeline, spread
@@ -61,7 +61,9 @@ class Pipe(nn.Module):
             executor spreads the repeated blocks evenly over the stages, so a
             balance other than that split is an error there; the devices
             executor takes any balance.
-        mesh: a ``("data", "stage")`` mesh for the spmd executor; defaults to
+        mesh: the spmd executor's mesh: axes "stage" and "data", and "fsdp" to
+            shard every stage's weights, gradients and optimizer state
+            (``xpipe.make_mesh(stages, data, fsdp=...)``); defaults to
             ``xpipe.make_mesh(stages)``.
         schedule: the schedule's name (``xpipe.schedule.SCHEDULES``). The spmd
             executor runs ``"gpipe"`` and ``"circular"`` (with ``pipe(x)`` or
@@ -161,8 +163,7 @@ class Pipe(nn.Module):
             raise ValueError(f"stages: the model's body (its longest run of identical blocks) has "
                              f"{len(stacked.blocks)} blocks, fewer than the {stages} stages; use at most "
                              f"{len(stacked.blocks)} stages, or executor='devices'")
-        self.partition: Partition = _spmd_partition(module, plan, spread(len(stacked.blocks), stages * self.virtual),
-                                                    balance, sample_input)
+        self.partition: Partition = _spmd_partition(plan, spread(len(stacked.blocks), stages * self.virtual), balance)
         self.mesh = mesh if mesh is not None else make_mesh(stages)  # the process enters SPMD mode here
         device = spmd_device()
         self.devices = [device]
@@ -284,9 +285,11 @@ class Pipe(nn.Module):
             if target.shape != state_dict[key].shape:
                 raise RuntimeError(f"state_dict: {key!r} has shape {list(state_dict[key].shape)}, "
                                    f"expected {list(target.shape)}")
+        shardings = kept_shardings([*self.parameters(), *self.buffers()])
         with torch.no_grad():
             for key, target in targets.items():
                 target.copy_(state_dict[key].to(target.device, target.dtype))
+        restore_shardings(shardings)
         return nn.modules.module._IncompatibleKeys(missing, unexpected)
 
     def named_gradients(self) -> dict[str, torch.Tensor | None]:
@@ -385,13 +388,11 @@ def _spmd_stage_count(mesh: xs.Mesh | None, stages: int | None, balance: Sequenc
     before the process is switched into SPMD mode."""
     requested = _requested_stages(stages, balance, virtual)
     if mesh is None:
-        return mesh_shape(xr.global_runtime_device_count() if requested is None else requested)[1]
-    if not isinstance(mesh, xs.Mesh) or tuple(mesh.axis_names) != ("data", "stage"):
-        raise ValueError(f"mesh: expected a ('data', 'stage') mesh, got {getattr(mesh, 'axis_names', mesh)!r}; "
-                         "build it with xpipe.make_mesh")
-    if requested is not None and mesh.mesh_shape[1] != requested:
-        raise ValueError(f"stages: {requested} does not match the mesh's 'stage' axis of {mesh.mesh_shape[1]}")
-    return mesh.mesh_shape[1]
+        return mesh_axes(xr.global_runtime_device_count() if requested is None else requested).stage
+    stages = axes_of(mesh).stage
+    if requested is not None and stages != requested:
+        raise ValueError(f"stages: {requested} does not match the mesh's 'stage' axis of {stages}")
+    return stages
 
 
 def _spmd_balance(plan: Partition, per_stage: tuple[int, ...]) -> list[int]:
@@ -403,8 +404,7 @@ def _spmd_balance(plan: Partition, per_stage: tuple[int, ...]) -> list[int]:
     return [blocks[0] + repeated.start, *blocks[1:-1], blocks[-1] + post] if len(blocks) > 1 else [sum(plan.balance)]
 
 
-def _spmd_partition(module: nn.Module, plan: Partition, per_stage: tuple[int, ...],
-                    balance: Sequence[int] | None, sample_input: Any) -> Partition:
+def _spmd_partition(plan: Partition, per_stage: tuple[int, ...], balance: Sequence[int] | None) -> Partition:
     """The partition the spmd executor runs: the body spread evenly over the model
     stages, pre on the first and post on the last (they run data-parallel over the
     whole mesh)."""
@@ -417,4 +417,4 @@ def _spmd_partition(module: nn.Module, plan: Partition, per_stage: tuple[int, ..
     if balance is not None and list(balance) != spmd_balance:
         raise ValueError(f"balance: the spmd executor spreads the {repeated.count} blocks evenly, which gives "
                          f"balance={spmd_balance}; pass that or leave balance out")
-    return partition(module, balance=spmd_balance, sample_input=sample_input)
+    return rebalanced(plan, spmd_balance)

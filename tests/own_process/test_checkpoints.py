@@ -236,8 +236,8 @@ def test_a_load_into_another_kind_of_optimizer_changes_nothing(tmp_path):
 
 
 def test_a_checkpoint_from_the_spmd_executor_loads_here(tmp_path):
-    """Saved by an spmd Pipe on a 2 (data) x 4 (stage) mesh with AdamW state on its
-    stacked weights; loaded into the devices executor on 4 devices, whose next
+    """Saved by an spmd Pipe on a 2 (stage) x 4 (fsdp) mesh, every weight and its AdamW
+    state sharded over both; loaded into the devices executor on 4 devices, whose next
     steps equal the plain model's loaded from the same checkpoint."""
     call_in_fresh_process(__file__, "save_from_spmd", str(tmp_path))
     weights = torch.load(tmp_path / "weights.pt")
@@ -271,7 +271,7 @@ def save_from_spmd(folder: str) -> None:
     """An spmd Pipe's checkpoint after one AdamW step, written in its own process
     (SPMD mode is process-global), with its weights beside it for comparison."""
     torch.manual_seed(0)
-    pipe = xpipe.Pipe(mlp_stack(blocks=8, width=16, inputs=8, outputs=4), chunks=4, mesh=xpipe.make_mesh(4, 2))
+    pipe = xpipe.Pipe(mlp_stack(blocks=8, width=16, inputs=8, outputs=4), chunks=4, mesh=xpipe.make_mesh(2, fsdp=4))
     optimizer = torch.optim.AdamW(pipe.parameters(), lr=1e-2)
     pipe(torch.randn(8, 8)).pow(2).mean().backward()
     optimizer.step()

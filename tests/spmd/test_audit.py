@@ -7,6 +7,10 @@ run ``chunks + stages - 1`` times each: ``4 * (chunks + stages - 1)`` per step.
 "except_last" splits the clocks into two loops (recomputed, then not): 8 in all.
 The circular schedule (two rounds of the ring) runs the same loop twice as long,
 with the same permutes.
+
+With an "fsdp" axis (2 stages x 4 fsdp) the weights are gathered once per step,
+before the loop, and their gradients reduced once after it: inside the loop only
+the conveyor's permutes along "stage" run.
 """
 
 import pytest
@@ -17,6 +21,7 @@ import xpipe.inspect
 
 DUMP = xpipe.inspect.enable_hlo_dump()  # before any XLA tensor: XLA reads its flags once
 
+from hf_models import llama, padding_mask, tokens  # noqa: E402
 from pipe_checks import batch_for, loss_of, tiny_lm  # noqa: E402
 
 DATA, STAGES = 2, 4
@@ -79,8 +84,6 @@ def test_a_padding_mask_travels_in_the_streams_own_permutes():
     """A Hugging Face Llama: its attention mask (a row per batch row) rides inside the
     hidden state's permutes, so the step has as many as without a mask; nothing is
     gathered or exchanged all-to-all."""
-    from hf_models import llama, padding_mask, tokens
-
     permutes = {}
     for inputs in ({"input_ids": tokens(8, 8)}, {"input_ids": tokens(8, 8), "attention_mask": padding_mask(8)}):
         pipe = xpipe.Pipe(llama(), chunks=4, mesh=xpipe.make_mesh(STAGES, DATA), checkpoint="never",
@@ -101,3 +104,41 @@ def test_a_ring_of_one_slot_per_stage_closes_it_in_the_states_own_permute():
     assert len(permutes) == 4 and all(op.in_loop for op in permutes), report
     wrap = (STAGES - 1) * DATA
     assert sum(any(abs(target - source) == wrap for source, target in op.groups) for op in permutes) == 2
+
+
+@pytest.fixture(scope="module")
+def fsdp_audits():
+    """The collectives of one training step of Llama on 2 stages x 4 fsdp, at 4 and 16 microbatches."""
+    reports = {}
+    for chunks in (4, 16):
+        ids = tokens(4 * chunks, 8)
+        inputs = {"input_ids": ids, "attention_mask": padding_mask(4 * chunks), "labels": ids.roll(1, 1)}
+        pipe = xpipe.Pipe(llama(), chunks=chunks, mesh=xpipe.make_mesh(2, fsdp=4), checkpoint="never",
+                          sample_input={name: value[:2] for name, value in inputs.items()})
+        reports[chunks] = pipe, xpipe.inspect.audit(lambda: pipe(**inputs).loss.backward(), mesh=pipe.mesh)
+    return reports
+
+
+def test_fsdp_weights_are_gathered_once_per_step_outside_the_clock_loop(fsdp_audits):
+    pipe, report = fsdp_audits[4]
+    assert report.count("all-to-all") == 0, report
+    assert report.count("all-gather", in_loop=True) == 0, report
+    in_loop = [op for op in report.ops if op.in_loop]
+    assert in_loop and all(op.axes == ("stage",) for op in in_loop), report  # only the conveyor's permutes
+    # One all-gather over "fsdp" per stacked weight, of exactly one stage's slice of it.
+    stage_slices = sorted(w[0].numel() * w.element_size() for w in pipe.runner.body.weights)
+    over_fsdp = sorted(op.bytes for op in report.of("all-gather") if op.axes == ("fsdp",))
+    assert over_fsdp == stage_slices, report
+    outer = [op for op in report.of("all-gather") if op.axes != ("fsdp",)]
+    assert all(op.axes == ("stage", "fsdp") for op in outer), report
+    # Their gradients: one reduction each over "fsdp", after the loop (XLA's CPU compiler
+    # writes a reduce-scatter as an all-reduce and a slice).
+    reductions = report.of("all-reduce") + report.of("reduce-scatter")
+    assert sorted(op.bytes for op in reductions if op.axes == ("fsdp",)) == stage_slices, report
+    assert not any(op.in_loop for op in reductions), report
+
+
+def test_fsdp_gathers_and_reductions_do_not_grow_with_the_microbatches(fsdp_audits):
+    for kind in ("all-gather", "all-reduce", "reduce-scatter", "collective-permute"):
+        assert fsdp_audits[4][1].count(kind) == fsdp_audits[16][1].count(kind), kind
+    assert fsdp_audits[16][1].count("all-to-all") == 0

@@ -1,1 +1,1 @@
-"""The SPMD executor: a stacked, repeated body pipelined over a ("data", "stage") mesh."""
+"""The SPMD executor: a stacked, repeated body pipelined over a ("data", "stage", "fsdp") mesh."""

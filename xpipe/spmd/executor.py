@@ -1,17 +1,18 @@
-"""The SPMD executor: one XLA program per step over a ("data", "stage") mesh.
+"""The SPMD executor: one XLA program per step over a ("data", "stage", "fsdp") mesh.
 
 The repeated body's weights are stacked ``[S, V * K, ...]`` (``K`` blocks per
 model stage, ``V`` model stages per stage group for a circular schedule) and
-sharded on "stage"; the layers before and after the body run data-parallel over
-the whole mesh. The clock loop (GPipe's, or circular's ``V`` rounds of it) is one
+sharded on "stage" (and "fsdp"); the layers before and after the body run
+data-parallel over the whole mesh. Where each tensor lives, and when it is
+gathered, is :mod:`xpipe.spmd.placement`'s. The clock loop (GPipe's, or circular's ``V`` rounds of it) is one
 ``torch_xla.experimental.scan`` (an XLA while loop), so the program does not grow
 with the number of microbatches.
 
 Inside the loop every operation is local to a device except the two shifts of
-:mod:`xpipe.spmd.conveyor`. The stage weights enter the loop already replicated
-per data replica (``[S, D, K, ...]``, sharded on both axes), so their gradients
-accumulate locally across clocks and are summed over "data" once, after the loop,
-by the backward of that replication: one all-reduce per weight per step.
+:mod:`xpipe.spmd.conveyor`. The stage weights enter the loop already gathered,
+one copy per device (``[S * P, K, ...]``, ``P`` devices per stage), so their
+gradients accumulate locally across clocks and are reduced over the stage's
+devices once, after the loop, by the backward of that gathering.
 """
 
 from __future__ import annotations
@@ -34,10 +35,10 @@ from xpipe.schedule import Schedule, circular, gpipe
 from xpipe.spmd.conveyor import Layout, column_tables, from_slots, make_layout, make_tick, to_slots
 from xpipe.spmd.dropout import cell_keys, hashed_dropout
 from xpipe.spmd.lowering import ShardableOps
+from xpipe.spmd.placement import Placement
 from xpipe.spmd.sides import Packing, packing_for
 from xpipe.spmd.stacking import StackedModel
 
-BATCH_AXES = ("stage", "data")  # a batch dim sharded over the whole mesh, stage-major
 SCHEDULES = ("gpipe", "circular")  # the schedules whose clock loop this executor runs
 
 
@@ -46,7 +47,7 @@ class SpmdPipeline(nn.Module):
 
     Args:
         stacked: the model cut around its repeated body.
-        mesh: a ``("data", "stage")`` mesh (``xpipe.make_mesh``).
+        mesh: a mesh with a "stage" axis, and "data" and "fsdp" (``xpipe.make_mesh``).
         chunks: microbatches per step.
         checkpoint: ``"always"``, ``"except_last"`` or ``"never"``.
         device: the SPMD XLA device.
@@ -60,18 +61,21 @@ class SpmdPipeline(nn.Module):
                  device: torch.device, keys: dict[str, tuple[str, ...]], rounds: int = 1) -> None:
         super().__init__()
         self.mesh = mesh
-        self.stages = mesh.mesh_shape[1]
-        self.data = mesh.mesh_shape[0]
+        self.placement = Placement(mesh)
+        self.stages = self.placement.axes.stage
+        self.replicas = self.placement.replicas  # P: devices per stage (data x fsdp)
         self.chunks = chunks
         self.checkpoint = checkpoint
         self.pre = stacked.pre
         self.post = stacked.post
         self.batch_norm = RunningStatistics([self.pre, self.post])  # PyTorch's running statistics, not XLA's
-        for tensor in [*self.pre.parameters(), *self.post.parameters(), *self.pre.buffers(), *self.post.buffers()]:
-            # Replicated from the start: an unannotated weight or buffer (Llama's rotary
-            # inv_freq) comes out of the first step annotated "replicated", and the
-            # second step would compile anew.
-            xs.mark_sharding(tensor, mesh, (None,) * tensor.dim())
+        # Everything annotated from the start: an unannotated weight or buffer (Llama's
+        # rotary inv_freq) comes out of the first step annotated "replicated", and the
+        # second step would compile anew.
+        for tensor in {id(t): t for t in [*self.pre.parameters(), *self.post.parameters()]}.values():
+            self.placement.place(tensor, self.placement.outer_spec(tensor))
+        for tensor in [*self.pre.buffers(), *self.post.buffers()]:
+            self.placement.place(tensor, (None,) * tensor.dim())
         self.side_rows = stacked.side_rows  # per side input: travels with its microbatch, or held whole
         self.exported = stacked.exported
         self.block_count = len(stacked.blocks)
@@ -81,7 +85,8 @@ class SpmdPipeline(nn.Module):
         self._template = [stacked.blocks[0]]  # kept out of the module tree: its weights are not ours
         self._block_parameters = [list(block.named_parameters()) for block in stacked.blocks]
         self._frozen = [[not p.requires_grad for _, p in named] for named in self._block_parameters]
-        self.body = StackedWeights.from_blocks(stacked.blocks, self._slots(), rounds * self.depth, device, mesh)
+        self.body = StackedWeights.from_blocks(stacked.blocks, self._slots(), rounds * self.depth, device,
+                                               self.placement)
         # What every step runs: chunks rounded up to fill every stage's slots (see make_layout).
         padded = make_layout(chunks, chunks, self.stages, 1).padded_chunks
         self.schedule = gpipe(self.stages, padded) if rounds == 1 else circular(self.stages, padded, rounds)
@@ -170,26 +175,40 @@ class SpmdPipeline(nn.Module):
         microbatched = microbatch_dim is not None
         natural = tree_map(lambda x: x.to(device) if not microbatched else
                            x.to(device).movedim(microbatch_dim, 0).flatten(0, 1), inputs)
-        layout = make_layout(tree_flatten(natural)[0][0].shape[0], self.chunks, self.stages, self.data)
+        layout = make_layout(tree_flatten(natural)[0][0].shape[0], self.chunks, self.stages, self.replicas)
+        outer = self._gathered_outer()
         with ShardableOps(), self.batch_norm.updating():
-            stream, *rest = _as_tuple(self.pre(*natural))
+            stream, *rest = _as_tuple(functional_call(self.pre, outer[self.pre], natural))
         sides, skips = rest[:len(self.side_rows)], rest[len(self.side_rows):]
         per_row = [side for side, rows in zip(sides, self.side_rows) if rows]
         constants = tuple(side for side, rows in zip(sides, self.side_rows) if not rows)
         packing = packing_for(stream, per_row)
         slots = to_slots(packing.pack([stream, *per_row]), layout, microbatched)
         # Features flattened: torch_xla shards tensors of at most 5 dims.
-        slots = self._shard_batch(slots.reshape(self.stages * self.data, layout.slots, layout.rows, -1))
+        slots = self.placement.shard_batch(slots.reshape(self.stages * self.replicas, layout.slots, layout.rows, -1))
         finished = self._run_clocks(slots, layout, packing, constants)
         finished = from_slots(packing.stream(finished.reshape(layout.padded_batch, -1)), layout, microbatched)
         with ShardableOps(), self.batch_norm.updating():
-            output = self.post(finished, *skips)
+            output = functional_call(self.post, outer[self.post], (finished, *skips))
         if self.exported is not None:
             output = self.exported.folded(output)
         check_outputs(output, layout.batch)
         if not microbatched:
             return output
         return tree_map(lambda y: y.unflatten(0, (self.chunks, -1)).movedim(0, microbatch_dim), output)
+
+    def _gathered_outer(self) -> dict[nn.Module, dict[str, torch.Tensor]]:
+        """For ``pre`` and ``post``, their parameters whole for this step, by name: each
+        gathered once (a weight tied between the two, once for both)."""
+        gathered: dict[int, torch.Tensor] = {}
+        named = {}
+        for module in (self.pre, self.post):
+            named[module] = {}
+            for name, parameter in module.named_parameters(remove_duplicate=False):
+                if id(parameter) not in gathered:
+                    gathered[id(parameter)] = self.placement.gathered_outer(parameter)
+                named[module][name] = gathered[id(parameter)]
+        return named
 
     def _check_flags_unchanged(self) -> None:
         """``requires_grad`` of a block weight is read once, when the body is stacked."""
@@ -207,13 +226,13 @@ class SpmdPipeline(nn.Module):
         reads, writes, from_ring = (torch.tensor(t, device=slots.device, dtype=slots.dtype)
                                     for t in (tables.reads, tables.writes, tables.from_ring))
         rounds = torch.nn.functional.one_hot(torch.tensor(tables.rounds), self.rounds)  # [T, S, V]
-        rounds = rounds.repeat_interleave(self.data, 1).to(slots.device, slots.dtype)  # [T, S * D, V]
+        rounds = rounds.repeat_interleave(self.replicas, 1).to(slots.device, slots.dtype)  # [T, S * P, V]
         clocks = torch.arange(len(reads), dtype=torch.int32, device=slots.device)
-        keys = cell_keys(self._step_seed(slots.device), clocks, self.stages, self.data)
-        state = self._shard_batch(slots[:, 0].clone())  # idle cells run real rows (see conveyor)
-        valid = self._shard_batch(self._valid_mask(slots))
-        weights = tuple(self._shard_batch(self._per_replica(w)) for w in self.body.effective_weights())
-        weights += tuple(self._shard_batch(self._per_device(c)) for c in constants)  # they ride along
+        keys = cell_keys(self._step_seed(slots.device), clocks, self.stages, self.replicas)
+        state = self.placement.shard_batch(slots[:, 0].clone())  # idle cells run real rows (see conveyor)
+        valid = self._valid_mask(slots)
+        weights = tuple(self.placement.gathered_body(w) for w in self.body.effective_weights())
+        weights += tuple(self.placement.per_device(c) for c in constants)  # they ride along
         carry = (state, slots, valid, weights)
         plain_from = _first_kept_clock(self.schedule, self.checkpoint)
         ring = bool(tables.from_ring.any())
@@ -238,7 +257,7 @@ class SpmdPipeline(nn.Module):
         if key not in self._ticks:
             run = partial(self._run_stages, packing)
             stages = partial(self._recomputed_stages, run) if recomputed else run
-            self._ticks[key] = make_tick(self.stages, self.data, stages, ring)
+            self._ticks[key] = make_tick(self.stages, self.replicas, stages, ring)
         return self._ticks[key]
 
     def _run_stages(self, packing: Packing, weights: tuple[torch.Tensor, ...], valid: torch.Tensor,
@@ -281,29 +300,11 @@ class SpmdPipeline(nn.Module):
         return (per_round * round_.view(-1, *[1] * (per_round.dim() - 1))).sum(0)
 
     def _valid_mask(self, like: torch.Tensor) -> torch.Tensor:
-        """``[S * D, V * K]``: 1 where a stage's slot holds a block, 0 for padding slots."""
+        """``[S * P, V * K]``: 1 where a stage's slot holds a block, 0 for padding slots."""
         mask = torch.zeros(self.stages, self.rounds * self.depth)
         for stage, slot in self._slots():
             mask[stage, slot] = 1
-        return self._per_replica(mask.to(like.device, like.dtype))
-
-    def _per_replica(self, per_stage: torch.Tensor) -> torch.Tensor:
-        """``[S, ...] -> [S * D, ...]``: a copy for each data replica of each stage.
-
-        Weights enter the clock loop this way so that their gradients add up on
-        each device across clocks, and the sum over replicas (the backward of this
-        copy) happens once, after the loop.
-        """
-        return per_stage.unsqueeze(1).expand(-1, self.data, *per_stage.shape[1:]).flatten(0, 1)
-
-    def _per_device(self, constant: torch.Tensor) -> torch.Tensor:
-        """``[...] -> [S * D, ...]``: a copy of a constant side input for every device."""
-        return constant.unsqueeze(0).expand(self.stages * self.data, *constant.shape)
-
-    def _shard_batch(self, x: torch.Tensor) -> torch.Tensor:
-        """Shard dim 0 over the whole mesh, stage-major."""
-        xs.mark_sharding(x, self.mesh, (BATCH_AXES, *([None] * (x.dim() - 1))))
-        return x
+        return self.placement.gathered_body(mask.to(like.device, like.dtype))
 
 
 class StackedWeights(nn.Module):
@@ -327,7 +328,7 @@ class StackedWeights(nn.Module):
 
     @classmethod
     def from_blocks(cls, blocks: list[torch.fx.GraphModule], slots: list[tuple[int, int]], depth: int,
-                    device: torch.device, mesh: xs.Mesh) -> StackedWeights:
+                    device: torch.device, placement: Placement) -> StackedWeights:
         """Stack ``blocks`` into ``[S, depth, numel]`` tensors, block ``i`` at ``slots[i]``."""
         named = [list(block.named_parameters()) for block in blocks]
         names = [name for name, _ in named[0]]
@@ -340,21 +341,19 @@ class StackedWeights(nn.Module):
             for (stage, slot), value in zip(slots, values):
                 grid[stage, slot] = value.detach().flatten()
                 trains[stage, slot] = value.requires_grad
-            module._register(name, grid, trains, [v.requires_grad for v in values], device, mesh)
+            module._register(name, grid, trains, [v.requires_grad for v in values], device, placement)
             module.frozen_slots[name] = {place for place, v in zip(slots, values) if not v.requires_grad}
         return module
 
     def _register(self, name: str, grid: torch.Tensor, trains: torch.Tensor, flags: list[bool],
-                  device: torch.device, mesh: xs.Mesh) -> None:
+                  device: torch.device, placement: Placement) -> None:
         attribute = _attribute(name)
         mixed = any(flags) and not all(flags)
         parameter = nn.Parameter((grid * trains if mixed else grid).to(device), requires_grad=any(flags))
-        self.register_parameter(attribute, parameter)
-        xs.mark_sharding(parameter, mesh, ("stage", None, None))
+        self.register_parameter(attribute, placement.place(parameter, placement.stacked_spec()))
         if mixed:
             frozen = (grid * ~trains).to(device)
-            self.register_buffer(attribute + "__frozen", frozen)
-            xs.mark_sharding(frozen, mesh, ("stage", None, None))
+            self.register_buffer(attribute + "__frozen", placement.place(frozen, placement.stacked_spec()))
             self.trainable[name] = trains.to(device)
 
     @property

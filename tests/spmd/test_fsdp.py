@@ -1,0 +1,189 @@
+"""FSDP (ZeRO-3) inside every stage: meshes with a "fsdp" axis beside "stage" and "data".
+
+Hugging Face Llama (grouped-query attention, tied embeddings) and GPT-2, one AdamW
+step against the model unpipelined on the CPU (loss and every gradient, and the
+loss after the step, rtol 1e-4 as in ``equivalence``), then two more steps with
+the compile count read after each. The bytes each device holds are read from the
+shards it holds (``xpipe.inspect.bytes_per_device``) and compared with an even
+share and with the memory model (``xpipe.memory``). The step's collectives on
+these meshes are checked in ``test_audit.py``.
+"""
+
+import copy
+
+import pytest
+import torch
+import torch_xla
+import torch_xla.debug.metrics as metrics
+
+from equivalence import ATOL, RTOL, assert_loads_exactly
+from hf_models import assert_gradients_match, gpt2, llama, padding_mask, tokens
+
+import xpipe
+import xpipe.inspect
+from xpipe.layout import MeshAxes
+from xpipe.memory import per_device
+
+ROWS = 16  # 4 microbatches of one row or more on every device of every mesh below
+MESHES = {"2 stages x 4 fsdp": dict(stages=2, fsdp=4), "4 stages x 2 fsdp": dict(stages=4, fsdp=2),
+          "2 stages x 2 data x 2 fsdp": dict(stages=2, data=2, fsdp=2)}
+CIRCULAR = dict(stages=2, fsdp=4, schedule="circular", virtual=2)
+
+
+def inputs_of(family: str) -> dict[str, torch.Tensor]:
+    ids = tokens(ROWS, 8)
+    if family == "llama":
+        return {"input_ids": ids, "attention_mask": padding_mask(ROWS), "labels": ids.roll(1, 1)}
+    return {"input_ids": ids, "labels": ids}
+
+
+def model_of(family: str) -> torch.nn.Module:
+    return llama(4) if family == "llama" else gpt2(4, dropout=0.0)
+
+
+def build(family: str, *, stages: int, fsdp: int, data: int = 1, chunks: int = 4, **options):
+    model = model_of(family)
+    reference = copy.deepcopy(model)
+    sample = {name: value[:2] for name, value in inputs_of(family).items()}
+    pipe = xpipe.Pipe(model, chunks=chunks, mesh=xpipe.make_mesh(stages, data, fsdp=fsdp), sample_input=sample,
+                      **options)
+    return pipe, reference
+
+
+def compiled() -> int:
+    """Programs compiled so far in this process."""
+    data = metrics.metric_data("CompileTime")
+    return data[0] if data else 0
+
+
+def held(tensors) -> int:
+    """The bytes of ``tensors`` on the device that holds the most of them."""
+    return max(xpipe.inspect.bytes_per_device(tensors).values())
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+@pytest.mark.parametrize("mesh", [*MESHES, "circular, 2 rounds on 2 stages x 4 fsdp"])
+def test_one_adamw_step_equals_the_plain_model_and_later_steps_compile_nothing(family, mesh):
+    options = MESHES.get(mesh, CIRCULAR)
+    pipe, reference = build(family, **options)
+    assert pipe.executor == "spmd" and pipe.runner.replicas == options.get("data", 1) * options["fsdp"]
+    optimizer = torch.optim.AdamW(pipe.parameters(), lr=1e-2)
+    reference_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    inputs = inputs_of(family)
+    torch_xla.sync()
+    before = compiled()
+
+    loss = pipe(**inputs).loss
+    loss.backward()
+    torch_xla.sync()
+    assert compiled() == before + 1, "the forward and backward of a step are one program"
+    expected = reference(**inputs).loss
+    expected.backward()
+    torch.testing.assert_close(loss.cpu(), expected.detach(), rtol=RTOL, atol=ATOL)
+    assert_gradients_match(pipe, reference)
+    gradients = held(p.grad for p in pipe.parameters())
+    for each in (optimizer, reference_optimizer):
+        each.step()
+        each.zero_grad()
+    torch_xla.sync()
+    compiles, losses = [compiled()], []
+    for _ in range(2):
+        loss = pipe(**inputs).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        torch_xla.sync()
+        compiles.append(compiled())
+        losses.append(loss.item())
+    # After the AdamW step from equal gradients, the same loss. (Weights are not compared
+    # one by one: Adam's update of a gradient near zero, g / (|g| + eps), is decided by rounding.)
+    expected = reference(**inputs).loss
+    torch.testing.assert_close(losses[0], expected.item(), rtol=RTOL, atol=ATOL)
+    # The second step is one program (forward, backward, AdamW on the state the first made); the third reuses it.
+    assert compiles == [compiles[0], compiles[0] + 1, compiles[0] + 1], f"compiles before and after: {compiles}"
+
+    if mesh in MESHES:
+        assert_memory_model_holds(pipe, optimizer, gradients, MeshAxes(options["stages"], options.get("data", 1),
+                                                                       options["fsdp"]))
+
+
+def assert_memory_model_holds(pipe, optimizer, gradients: int, axes: MeshAxes) -> None:
+    """What the busiest device holds of the weights, their gradients and AdamW's state,
+    read from its shards, against ``xpipe.memory.per_device`` (within 10%); the
+    optimizer state sharded as its parameter, from the first step."""
+    parameters = list(pipe.parameters())
+    states = [value for p in parameters for value in optimizer.state[p].values() if value.device.type == "xla"]
+    for p in parameters:
+        spec = torch_xla._XLAC._get_xla_sharding_spec(p)
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert torch_xla._XLAC._get_xla_sharding_spec(optimizer.state[p][key]) == spec, key
+    outer = {id(p): tuple(p.shape) for module in (pipe.runner.pre, pipe.runner.post) for p in module.parameters()}
+    model = per_device(stacked=[tuple(w.shape) for w in pipe.runner.body.weights], outer=outer.values(), axes=axes)
+    measured = {"parameters": held(parameters), "gradients": gradients, "optimizer": held(states)}
+    for kind, value in measured.items():
+        assert abs(value - getattr(model, kind)) <= 0.1 * value, (kind, value, model)
+
+
+def test_on_2_stages_x_4_fsdp_no_device_holds_more_than_its_share():
+    """Every parameter and every AdamW state tensor is sharded over "stage" and
+    "fsdp" (the layers around the body too): the busiest device holds at most 1.15x
+    an even eighth of them."""
+    pipe, _ = build("llama", stages=2, fsdp=4)
+    optimizer = torch.optim.AdamW(pipe.parameters(), lr=1e-2)
+    pipe(**inputs_of("llama")).loss.backward()
+    optimizer.step()
+    torch_xla.sync()
+    parameters = list(pipe.parameters())
+    states = [value for p in parameters for value in optimizer.state[p].values() if value.device.type == "xla"]
+    for tensors in (parameters, states):
+        total = sum(t.numel() * t.element_size() for t in tensors)
+        assert held(tensors) <= 1.15 * total / 8, (held(tensors), total / 8)
+
+
+def test_a_checkpoint_of_2_stages_x_4_fsdp_loads_into_other_layouts_and_the_plain_model(tmp_path):
+    """Saved after one AdamW step on 2 stages x 4 fsdp; loaded bit-equal into 4 stages
+    x 2 fsdp (weights and AdamW state sharded there as they would be from its own
+    first step), 2 stages x 4 data, 1 stage x 8 data and the plain model; the next
+    two steps' losses are the plain model's on each. (The devices executor loads the same
+    kind of checkpoint in ``tests/own_process/test_checkpoints.py``.)"""
+    inputs = inputs_of("llama")
+    pipe, reference = build("llama", stages=2, fsdp=4)
+    optimizer = torch.optim.AdamW(pipe.parameters(), lr=1e-2)
+    pipe(**inputs).loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    torch_xla.sync()
+    xpipe.save(tmp_path / "ckpt", pipe, optimizer, step=1)
+    saved = pipe.host_state_dict()
+
+    plain = reference
+    plain_optimizer = torch.optim.AdamW(plain.parameters(), lr=1e-2)
+    targets = [(plain, plain_optimizer)]
+    for options in (dict(stages=4, fsdp=2), dict(stages=2, data=4, fsdp=1), dict(stages=1, data=8, fsdp=1)):
+        other, _ = build("llama", **options)
+        targets.append((other, torch.optim.AdamW(other.parameters(), lr=1e-2)))
+    assert_loads_exactly(tmp_path / "ckpt", saved, *targets)
+    other, other_optimizer = targets[1]
+    for parameter in other.parameters():
+        spec = torch_xla._XLAC._get_xla_sharding_spec(parameter)
+        assert "devices=" in spec, "the weights stay sharded over fsdp after the load"
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert torch_xla._XLAC._get_xla_sharding_spec(other_optimizer.state[parameter][key]) == spec, key
+
+    expected = []
+    for _ in range(2):  # the second step's loss follows from the loaded AdamW state
+        loss = plain(**inputs).loss
+        loss.backward()
+        plain_optimizer.step()
+        plain_optimizer.zero_grad()
+        expected.append(loss.item())
+    for each, each_optimizer in targets[1:]:
+        losses = []
+        for _ in range(2):
+            loss = each(**inputs).loss
+            loss.backward()
+            each_optimizer.step()
+            each_optimizer.zero_grad()
+            torch_xla.sync()
+            losses.append(loss.item())
+        torch.testing.assert_close(losses, expected, rtol=RTOL, atol=ATOL)

@@ -1,0 +1,71 @@
+"""The memory model of the spmd executor: bytes per device, by kind, for a mesh.
+
+Pure arithmetic over shapes (no torch, no torch_xla), by the same sharding rules
+the executor places tensors with (:mod:`xpipe.layout`), so a layout can be judged
+before anything is built. docs/scaling.md derives it and checks it against the
+bytes measured on emulated devices.
+
+    memory = xpipe.memory.per_device(stacked=[(2, 4, 1024)], outer=[(128, 32)],
+                                     axes=MeshAxes(stage=2, fsdp=4))
+    memory.resting            # parameters + gradients + optimizer state, between steps
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from xpipe.layout import MeshAxes, outer_spec, shard_numel, stacked_spec
+
+
+@dataclass(frozen=True)
+class DeviceMemory:
+    """Bytes one device holds, by kind (the busiest device: shards are padded up)."""
+
+    parameters: int  # the weights at rest
+    gradients: int  # their gradients, sharded as the weights
+    optimizer: int  # the optimizer's per-parameter state (AdamW: two tensors per weight)
+    gathered: int  # during a step: the whole weights of its stage and of the outer layers, and their gradients
+
+    @property
+    def resting(self) -> int:
+        """What stays between steps: parameters, gradients and optimizer state."""
+        return self.parameters + self.gradients + self.optimizer
+
+    @property
+    def step(self) -> int:
+        """What a step adds to that, before activations."""
+        return self.resting + self.gathered
+
+
+def per_device(*, stacked: Iterable[tuple[int, ...]], outer: Iterable[tuple[int, ...]], axes: MeshAxes,
+               itemsize: int = 4, optimizer_states: int = 2, optimizer_itemsize: int | None = None) -> DeviceMemory:
+    """Bytes per device of the spmd executor's weights on a mesh of ``axes``.
+
+    Args:
+        stacked: shape of each stacked body weight, ``[S, V * K, numel]``.
+        outer: shape of each distinct parameter of the layers before and after the body.
+        axes: the mesh.
+        itemsize: bytes per element of the weights and their gradients.
+        optimizer_states: tensors shaped like a weight that the optimizer keeps for
+            it (AdamW and Adam 2, SGD with momentum 1, plain SGD 0).
+        optimizer_itemsize: bytes per element of that state; ``itemsize`` by default.
+    """
+    stacked, outer = list(stacked), list(outer)
+    body = sum(shard_numel(shape, stacked_spec(axes), axes) for shape in stacked)
+    around = sum(shard_numel(shape, outer_spec(shape, axes), axes) for shape in outer)
+    parameters = (body + around) * itemsize
+    # The step's gathered copies: one stage's slice of the body and the outer layers
+    # whole (already whole at rest without fsdp), each with a gradient of its size.
+    stage_body = sum(shard_numel(shape, ("stage", None, None), axes) for shape in stacked)
+    whole_outer = sum(_numel(shape) for shape in outer) if axes.fsdp > 1 else 0
+    gathered = 2 * (stage_body + whole_outer) * itemsize
+    state_itemsize = itemsize if optimizer_itemsize is None else optimizer_itemsize
+    return DeviceMemory(parameters, parameters, (body + around) * optimizer_states * state_itemsize, gathered)
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    count = 1
+    for size in shape:
+        count *= size
+    return count

@@ -1,0 +1,97 @@
+"""Weight placement for the spmd executor: which tensor is sharded over which mesh
+axes at rest, and when it is gathered whole.
+
+At rest nothing that trains is replicated over "stage" or "fsdp":
+
+- the stacked body ``[S, V * K, numel]`` is sharded on "stage" (dim 0) and "fsdp"
+  (dim 2, the flattened weight);
+- with ``fsdp > 1`` each parameter of the layers before and after the body (the
+  embedding, the head) is sharded over ("stage", "fsdp") together on its largest
+  dim that they divide (over "fsdp" alone, or replicated, if none does);
+- "data" replicates everything (HSDP: data x fsdp);
+- buffers (BatchNorm statistics, rotary tables) are small and replicated.
+
+Gradients and optimizer state take their parameter's sharding (a hook annotates
+each gradient; the optimizer's state follows the gradient it is computed from).
+
+For the step the weights are gathered once, before the clock loop: the body's
+into a per-device copy ``[S * P, V * K, numel]`` (``P`` devices per stage), the
+outer layers' into one whole copy each. Their gradients come back the same way,
+reduced once, after the loop (a reduce-scatter over "fsdp", an all-reduce over
+"data"). Nothing is gathered or reduced per microbatch or per clock.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch_xla.distributed.spmd as xs
+
+from xpipe.layout import MeshAxes, Spec, outer_spec, stacked_spec
+from xpipe.mesh import axes_of
+
+
+class Placement:
+    """The shardings of one mesh's tensors.
+
+    Args:
+        mesh: the spmd executor's mesh (``xpipe.make_mesh``).
+    """
+
+    def __init__(self, mesh: xs.Mesh) -> None:
+        self.mesh = mesh
+        self.axes: MeshAxes = axes_of(mesh)
+        names = tuple(mesh.axis_names)
+        # A batch dim is sharded over the whole mesh, stage-major: device index s * P + p.
+        self.batch_axes = tuple(axis for axis in ("stage", "data", "fsdp") if axis in names)
+
+    @property
+    def replicas(self) -> int:
+        """P: devices per stage, each running its own rows of every microbatch."""
+        return self.axes.per_stage
+
+    def stacked_spec(self) -> Spec:
+        """``[S, V * K, numel]``: see :func:`xpipe.layout.stacked_spec`."""
+        return stacked_spec(self.axes)
+
+    def outer_spec(self, tensor: torch.Tensor) -> Spec:
+        """A parameter of the layers around the body: see :func:`xpipe.layout.outer_spec`."""
+        return outer_spec(tuple(tensor.shape), self.axes)
+
+    def place(self, tensor: torch.Tensor, spec: Spec) -> torch.Tensor:
+        """Shard ``tensor`` (a leaf: a parameter or a buffer) by ``spec``, and, for a
+        parameter, every gradient it gets."""
+        xs.mark_sharding(tensor, self.mesh, spec)
+        if tensor.requires_grad and any(axis is not None for axis in spec):
+            tensor.register_hook(lambda grad: self.annotated(grad, spec))
+        return tensor
+
+    def annotated(self, tensor: torch.Tensor, spec: Spec) -> torch.Tensor:
+        """``tensor`` (an intermediate) annotated with ``spec``."""
+        xs.mark_sharding(tensor, self.mesh, spec)
+        return tensor
+
+    def shard_batch(self, x: torch.Tensor) -> torch.Tensor:
+        """Shard dim 0 over the whole mesh, stage-major."""
+        return self.annotated(x, (self.batch_axes, *([None] * (x.dim() - 1))))
+
+    def gathered_body(self, per_stage: torch.Tensor) -> torch.Tensor:
+        """``[S, ...] -> [S * P, ...]``: each device's own whole copy of its stage's
+        slice, made once, before the clock loop.
+
+        From weights sharded over "fsdp" this copy is the step's one all-gather;
+        its backward, after the loop, the one reduction of their gradients over
+        the stage's devices, so gradients add up locally across clocks.
+        """
+        copies = per_stage.unsqueeze(1).expand(-1, self.replicas, *per_stage.shape[1:]).flatten(0, 1)
+        return self.shard_batch(copies)
+
+    def per_device(self, constant: torch.Tensor) -> torch.Tensor:
+        """``[...] -> [S * P, ...]``: a copy of a constant side input for every device."""
+        return self.shard_batch(constant.unsqueeze(0).expand(self.axes.devices, *constant.shape))
+
+    def gathered_outer(self, parameter: torch.Tensor) -> torch.Tensor:
+        """A parameter of the layers around the body, whole on every device for this
+        step (a no-op for one that is replicated at rest)."""
+        if self.axes.fsdp == 1:
+            return parameter
+        return xs.mark_sharding_with_gradients(parameter * 1, self.mesh, (None,) * parameter.dim())

@@ -4,14 +4,15 @@
     python examples/train_lm.py --steps 1000 --checkpoint-dir runs/lm
     python examples/train_lm.py --steps 2000 --checkpoint-dir runs/lm --resume
     python examples/train_lm.py --schedule circular --virtual 2   # 2 rounds of the stage ring, spmd
+    python examples/train_lm.py --stages 2 --data 1 --fsdp 4       # every stage sharded over 4 devices
     python examples/train_lm.py --schedule 1f1b --stages 4   # the devices executor
 
 The text is the standard library's ``.py`` files (on every machine, nothing to
 download), read as bytes: the first 90% train, the rest validate. Batches come
 through ``xpipe.data.MpDeviceLoader`` with the accumulation dimension: the host
 stacks ``chunks`` microbatches into ``[chunks, micro_batch, seq + 1]`` before the
-transfer, sharded over the mesh's "data" axis on arrival, and ``pipe.step`` runs
-the schedule with the loss inside. Every ``--eval-every`` steps the validation
+transfer, sharded over the mesh's "data" axis on arrival (not over "fsdp": see
+docs/scaling.md on XLA's CPU runtime), and ``pipe.step`` runs the schedule with the loss inside. Every ``--eval-every`` steps the validation
 loss is measured; every ``--checkpoint-every`` steps (and at the end) the run is
 saved with ``xpipe.save``; ``--resume`` continues from the last one with the same
 batches the uninterrupted run would have seen. At the end the loss curve is
@@ -97,7 +98,8 @@ def run(options: argparse.Namespace) -> dict[str, list]:
     train_text, valid_text = split(read_corpus())
     pipe = xpipe.Pipe(build_model(options), chunks=options.chunks, stages=options.stages,
                       schedule=options.schedule, virtual=options.virtual, loss_fn=next_byte_loss,
-                      mesh=xpipe.make_mesh(options.stages, options.data) if options.schedule in SPMD else None)
+                      mesh=xpipe.make_mesh(options.stages, options.data, fsdp=options.fsdp)
+                      if options.schedule in SPMD else None)
     optimizer = torch.optim.AdamW(pipe.parameters(), lr=options.lr)
     history: dict[str, list] = {"step": [], "loss": [], "valid_step": [], "valid_loss": []}
     first = 1
@@ -111,7 +113,7 @@ def run(options: argparse.Namespace) -> dict[str, list]:
         first = done + 1
     print(f"{pipe.executor} executor, {pipe.partition}\n")
 
-    rows = options.micro_batch * (options.data if pipe.executor == "spmd" else 1)
+    rows = options.micro_batch * (options.data * options.fsdp if pipe.executor == "spmd" else 1)  # per microbatch
     batches = Windows(train_text, options.seq, rows, first=(first - 1) * options.chunks,
                       count=(options.steps - first + 1) * options.chunks, seed=options.seed)
     host = torch.utils.data.DataLoader(batches, batch_size=None)
@@ -183,6 +185,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=200, help="last step to train (default 200)")
     parser.add_argument("--stages", type=int, default=4, help="pipeline stages (default 4)")
     parser.add_argument("--data", type=int, default=2, help="data-parallel replicas, spmd only (default 2)")
+    parser.add_argument("--fsdp", type=int, default=1,
+                        help="devices each stage's weights, gradients and AdamW state are sharded over (ZeRO-3), "
+                             "spmd only (default 1)")
     parser.add_argument("--chunks", type=int, default=8, help="microbatches per step (default 8)")
     parser.add_argument("--micro-batch", type=int, default=4, help="rows per microbatch and replica (default 4)")
     parser.add_argument("--schedule", default="gpipe",

@@ -12,8 +12,8 @@ download), read as bytes: the first 90% train, the rest validate. Batches come
 through ``xpipe.data.MpDeviceLoader`` with the accumulation dimension: the host
 stacks ``chunks`` microbatches into ``[chunks, micro_batch, seq + 1]`` before the
 transfer, sharded over the mesh's "data" axis on arrival (not over "fsdp": see
-docs/scaling.md on XLA's CPU runtime), and ``pipe.step`` runs the schedule with the loss inside. Every ``--eval-every`` steps the validation
-loss is measured; every ``--checkpoint-every`` steps (and at the end) the run is
+docs/scaling.md on XLA's CPU runtime), and ``pipe.step`` runs the schedule with
+the loss inside. Every ``--eval-every`` steps the validation loss is measured; every ``--checkpoint-every`` steps (and at the end) the run is
 saved with ``xpipe.save``; ``--resume`` continues from the last one with the same
 batches the uninterrupted run would have seen. At the end the loss curve is
 written as a PNG.

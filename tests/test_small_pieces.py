@@ -122,3 +122,13 @@ def test_hlo_dump_folder_is_removed_at_exit_unless_the_caller_named_it(tmp_path)
                           check=True)
     assert made.stdout.strip() and not Path(made.stdout.strip()).exists()
     assert Path(kept.stdout.strip()) == named and named.is_dir()
+
+
+def test_bytes_per_device_outside_spmd_counts_each_tensor_once_on_its_device():
+    import torch_xla
+
+    import xpipe.inspect
+
+    a = torch.zeros(4, 4, device=torch_xla.device(0))
+    b = torch.zeros(8, device=torch_xla.device(1))
+    assert xpipe.inspect.bytes_per_device([a, b, a]) == {str(a.device): 64, str(b.device): 32}

@@ -230,3 +230,23 @@ def shard_like(tensor: torch.Tensor, like: torch.Tensor) -> None:
     (its parameter), if ``like`` is sharded and they have one shape."""
     if tensor.device.type == "xla" and tensor.shape == like.shape:
         restore_shardings([(tensor, sharding) for _, sharding in kept_shardings([like])])
+
+
+def shard_bytes(tensors: list[torch.Tensor]) -> dict[str, int]:
+    """Bytes of ``tensors`` (XLA tensors) that each device holds: under SPMD from its
+    local shards; otherwise each tensor whole on its own device."""
+    import torch_xla
+    import torch_xla.runtime as xr
+
+    held: dict[str, int] = {}
+    if not xr.is_spmd():
+        for tensor in tensors:
+            held[str(tensor.device)] = held.get(str(tensor.device), 0) + tensor.numel() * tensor.element_size()
+        return held
+    if not tensors:
+        return held
+    torch_xla._XLAC._xla_sync_multi(tensors, devices=[], wait=True)
+    for shards in torch_xla._XLAC._get_local_shards(tensors):
+        for data, device in shards:
+            held[device] = held.get(device, 0) + data.numel() * data.element_size()
+    return held

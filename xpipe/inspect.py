@@ -157,16 +157,9 @@ def bytes_per_device(tensors: Iterable[torch.Tensor]) -> dict[str, int]:
     """The bytes each XLA device holds of ``tensors`` (each counted once), read from
     the shards it holds: ``{"xla:0": ..., ...}``. A tensor not sharded under SPMD
     counts whole on its device (every device, in SPMD mode)."""
-    import torch_xla
+    from xpipe._xla import shard_bytes
 
-    unique = list({id(t): t.detach() for t in tensors if t.device.type == "xla"}.values())
-    held: dict[str, int] = {}
-    if unique:
-        torch_xla._XLAC._xla_sync_multi(unique, devices=[], wait=True)
-    for shards in (torch_xla._XLAC._get_local_shards(unique) if unique else []):
-        for data, device in shards:
-            held[device] = held.get(device, 0) + data.numel() * data.element_size()
-    return held
+    return shard_bytes(list({id(t): t.detach() for t in tensors if t.device.type == "xla"}.values()))
 
 
 def collectives(hlo: str) -> list[Collective]:

@@ -4,9 +4,9 @@ The repeated body's weights are stacked ``[S, V * K, ...]`` (``K`` blocks per
 model stage, ``V`` model stages per stage group for a circular schedule) and
 sharded on "stage" (and "fsdp"); the layers before and after the body run
 data-parallel over the whole mesh. Where each tensor lives, and when it is
-gathered, is :mod:`xpipe.spmd.placement`'s. The clock loop (GPipe's, or circular's ``V`` rounds of it) is one
-``torch_xla.experimental.scan`` (an XLA while loop), so the program does not grow
-with the number of microbatches.
+gathered, is :mod:`xpipe.spmd.placement`'s. The clock loop (GPipe's, or
+circular's ``V`` rounds of it) is one ``torch_xla.experimental.scan`` (an XLA
+while loop), so the program does not grow with the number of microbatches.
 
 Inside the loop every operation is local to a device except the two shifts of
 :mod:`xpipe.spmd.conveyor`. The stage weights enter the loop already gathered,
@@ -69,13 +69,7 @@ class SpmdPipeline(nn.Module):
         self.pre = stacked.pre
         self.post = stacked.post
         self.batch_norm = RunningStatistics([self.pre, self.post])  # PyTorch's running statistics, not XLA's
-        # Everything annotated from the start: an unannotated weight or buffer (Llama's
-        # rotary inv_freq) comes out of the first step annotated "replicated", and the
-        # second step would compile anew.
-        for tensor in {id(t): t for t in [*self.pre.parameters(), *self.post.parameters()]}.values():
-            self.placement.place(tensor, self.placement.outer_spec(tensor))
-        for tensor in [*self.pre.buffers(), *self.post.buffers()]:
-            self.placement.place(tensor, (None,) * tensor.dim())
+        self.placement.place_outer([self.pre, self.post])
         self.side_rows = stacked.side_rows  # per side input: travels with its microbatch, or held whole
         self.exported = stacked.exported
         self.block_count = len(stacked.blocks)
@@ -176,7 +170,7 @@ class SpmdPipeline(nn.Module):
         natural = tree_map(lambda x: x.to(device) if not microbatched else
                            x.to(device).movedim(microbatch_dim, 0).flatten(0, 1), inputs)
         layout = make_layout(tree_flatten(natural)[0][0].shape[0], self.chunks, self.stages, self.replicas)
-        outer = self._gathered_outer()
+        outer = self.placement.gathered_outer([self.pre, self.post])
         with ShardableOps(), self.batch_norm.updating():
             stream, *rest = _as_tuple(functional_call(self.pre, outer[self.pre], natural))
         sides, skips = rest[:len(self.side_rows)], rest[len(self.side_rows):]
@@ -196,19 +190,6 @@ class SpmdPipeline(nn.Module):
         if not microbatched:
             return output
         return tree_map(lambda y: y.unflatten(0, (self.chunks, -1)).movedim(0, microbatch_dim), output)
-
-    def _gathered_outer(self) -> dict[nn.Module, dict[str, torch.Tensor]]:
-        """For ``pre`` and ``post``, their parameters whole for this step, by name: each
-        gathered once (a weight tied between the two, once for both)."""
-        gathered: dict[int, torch.Tensor] = {}
-        named = {}
-        for module in (self.pre, self.post):
-            named[module] = {}
-            for name, parameter in module.named_parameters(remove_duplicate=False):
-                if id(parameter) not in gathered:
-                    gathered[id(parameter)] = self.placement.gathered_outer(parameter)
-                named[module][name] = gathered[id(parameter)]
-        return named
 
     def _check_flags_unchanged(self) -> None:
         """``requires_grad`` of a block weight is read once, when the body is stacked."""

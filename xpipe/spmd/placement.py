@@ -1,30 +1,21 @@
-"""Weight placement for the spmd executor: which tensor is sharded over which mesh
-axes at rest, and when it is gathered whole.
+"""Weight placement for the spmd executor: each tensor sharded at rest by the rules
+of :mod:`xpipe.layout` (nothing that trains replicated over "stage" or "fsdp";
+"data" replicates), and gathered whole for a step.
 
-At rest nothing that trains is replicated over "stage" or "fsdp":
-
-- the stacked body ``[S, V * K, numel]`` is sharded on "stage" (dim 0) and "fsdp"
-  (dim 2, the flattened weight);
-- with ``fsdp > 1`` each parameter of the layers before and after the body (the
-  embedding, the head) is sharded over ("stage", "fsdp") together on its largest
-  dim that they divide (over "fsdp" alone, or replicated, if none does);
-- "data" replicates everything (HSDP: data x fsdp);
-- buffers (BatchNorm statistics, rotary tables) are small and replicated.
-
-Gradients and optimizer state take their parameter's sharding (a hook annotates
-each gradient; the optimizer's state follows the gradient it is computed from).
-
-For the step the weights are gathered once, before the clock loop: the body's
-into a per-device copy ``[S * P, V * K, numel]`` (``P`` devices per stage), the
-outer layers' into one whole copy each. Their gradients come back the same way,
-reduced once, after the loop (a reduce-scatter over "fsdp", an all-reduce over
-"data"). Nothing is gathered or reduced per microbatch or per clock.
+Gradients take their weight's sharding (a hook annotates each one), and the
+optimizer's state follows the gradient it is computed from. For a step the
+weights are gathered once, before the clock loop: the body's into a per-device
+copy ``[S * P, V * K, numel]`` (``P`` devices per stage), the outer layers' into
+one whole copy each. Their gradients come back the same way, reduced once, after
+the loop (a reduce-scatter over "fsdp", an all-reduce over "data"). Nothing is
+gathered or reduced per microbatch or per clock.
 """
 
 from __future__ import annotations
 
 import torch
 import torch_xla.distributed.spmd as xs
+from torch import nn
 
 from xpipe.layout import MeshAxes, Spec, outer_spec, stacked_spec
 from xpipe.mesh import axes_of
@@ -56,6 +47,21 @@ class Placement:
     def outer_spec(self, tensor: torch.Tensor) -> Spec:
         """A parameter of the layers around the body: see :func:`xpipe.layout.outer_spec`."""
         return outer_spec(tuple(tensor.shape), self.axes)
+
+    def place_outer(self, modules: list[nn.Module]) -> None:
+        """Shard the parameters of the layers around the body (each once, a tied one
+        too) by :meth:`outer_spec`, and replicate their buffers.
+
+        Everything is annotated from the start: an unannotated weight or buffer
+        (Llama's rotary ``inv_freq``) comes out of the first step annotated
+        "replicated", and the second step would compile anew.
+        """
+        parameters = {id(p): p for module in modules for p in module.parameters()}
+        for parameter in parameters.values():
+            self.place(parameter, self.outer_spec(parameter))
+        for module in modules:
+            for buffer in module.buffers():
+                self.place(buffer, (None,) * buffer.dim())
 
     def place(self, tensor: torch.Tensor, spec: Spec) -> torch.Tensor:
         """Shard ``tensor`` (a leaf: a parameter or a buffer) by ``spec``, and, for a
@@ -89,9 +95,21 @@ class Placement:
         """``[...] -> [S * P, ...]``: a copy of a constant side input for every device."""
         return self.shard_batch(constant.unsqueeze(0).expand(self.axes.devices, *constant.shape))
 
-    def gathered_outer(self, parameter: torch.Tensor) -> torch.Tensor:
-        """A parameter of the layers around the body, whole on every device for this
-        step (a no-op for one that is replicated at rest)."""
+    def gathered_outer(self, modules: list[nn.Module]) -> dict[nn.Module, dict[str, torch.Tensor]]:
+        """Each module's parameters, by name, whole on every device for this step: each
+        gathered once (a weight tied between two modules, once for both); those
+        replicated at rest (without "fsdp") as they are."""
+        gathered: dict[int, torch.Tensor] = {}
+        named: dict[nn.Module, dict[str, torch.Tensor]] = {}
+        for module in modules:
+            named[module] = {}
+            for name, parameter in module.named_parameters(remove_duplicate=False):
+                if id(parameter) not in gathered:
+                    gathered[id(parameter)] = self._whole(parameter)
+                named[module][name] = gathered[id(parameter)]
+        return named
+
+    def _whole(self, parameter: torch.Tensor) -> torch.Tensor:
         if self.axes.fsdp == 1:
             return parameter
         return xs.mark_sharding_with_gradients(parameter * 1, self.mesh, (None,) * parameter.dim())

@@ -301,7 +301,7 @@ def _layout(pipe: nn.Module) -> dict[str, Any]:
     return {"executor": getattr(pipe, "executor", "plain"),
             "stages": len(partition.balance) if partition is not None else 1,
             "balance": list(partition.balance) if partition is not None else None,
-            "mesh": list(mesh.mesh_shape) if mesh is not None else None}
+            "mesh": dict(zip(mesh.axis_names, map(int, mesh.mesh_shape))) if mesh is not None else None}
 
 
 def _version() -> str:

@@ -18,8 +18,6 @@ import torch_xla.debug.metrics as metrics
 
 from equivalence import ATOL, RTOL, assert_loads_exactly, train_steps
 from hf_models import assert_gradients_match, gpt2, llama, padding_mask, tokens
-from pipe_checks import batch_for, loss_of, tiny_mlp
-from test_pipe_contract import dropout_model
 
 import xpipe
 import xpipe.inspect
@@ -189,54 +187,6 @@ def test_a_checkpoint_of_2_stages_x_4_fsdp_loads_into_other_layouts_and_the_plai
             torch_xla.sync()
             losses.append(loss.item())
         torch.testing.assert_close(losses, expected, rtol=RTOL, atol=ATOL)
-
-
-@pytest.fixture(scope="module")
-def fsdp_mesh():
-    return xpipe.make_mesh(2, fsdp=4)
-
-
-def test_frozen_blocks_stay_frozen_with_their_weights_sharded(fsdp_mesh):
-    """AdamW with weight decay over a body whose blocks 1 and 2 are frozen: the frozen
-    blocks' weights (in a sharded buffer beside the trained ones) never change, the
-    rest train as unpipelined."""
-    model = tiny_mlp(blocks=4)
-    for block in (1, 2):
-        model[1 + block].requires_grad_(False)
-    initial = copy.deepcopy(model).state_dict()
-    reference = copy.deepcopy(model)
-    pipe = xpipe.Pipe(model, chunks=4, mesh=fsdp_mesh)
-    optimizer = torch.optim.AdamW(pipe.parameters(), lr=0.01, weight_decay=0.5)
-    reference_optimizer = torch.optim.AdamW([p for p in reference.parameters() if p.requires_grad], lr=0.01,
-                                            weight_decay=0.5)
-    batch, targets = batch_for(model, 16)
-    for _ in range(2):
-        loss_of(pipe(batch), targets.to(pipe.devices[0])).backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        torch_xla.sync()
-        loss_of(reference(batch), targets).backward()
-        reference_optimizer.step()
-        reference_optimizer.zero_grad()
-    frozen = [buffer for name, buffer in pipe.runner.body.named_buffers() if name.endswith("__frozen")]
-    assert frozen and all("devices=" in torch_xla._XLAC._get_xla_sharding_spec(b) for b in frozen)
-    for name, value in pipe.host_state_dict().items():
-        torch.testing.assert_close(value, reference.state_dict()[name], rtol=RTOL, atol=ATOL, msg=name)
-        if name.split(".")[0] in ("2", "3"):
-            assert torch.equal(value, initial[name]), f"{name} is frozen"
-
-
-def test_dropout_draws_a_mask_per_row_on_every_fsdp_shard(fsdp_mesh):
-    """Four blocks of p = 0.1 over identical rows: each row (on 4 fsdp shards of 2
-    stages) has a mask of its own, at the rate asked for."""
-    p, blocks, rows, width = 0.1, 4, 256, 64
-    pipe = xpipe.Pipe(dropout_model(p, blocks, width), chunks=8, mesh=fsdp_mesh)
-    torch.manual_seed(1)
-    with torch.no_grad():
-        survived = pipe(torch.ones(rows, width)).cpu() != 0
-    rate = 1 - survived.float().mean().item() ** (1 / blocks)
-    assert abs(rate - p) < 0.01, f"measured dropout rate {rate:.4f}, expected {p}"
-    assert len({tuple(row.tolist()) for row in survived}) == rows, "every row has a mask of its own"
 
 
 def test_bfloat16_llama_on_2_stages_x_2_data_x_2_fsdp_compiles_once():

@@ -46,18 +46,20 @@ def test_stale_handles_to_the_stacked_blocks_fail_loudly(mesh):
     torch.optim.SGD(pipe.parameters(), lr=0.1).step()  # the right handle trains
 
 
-@pytest.mark.parametrize("frozen", [(1, 2), (3,)])
-def test_frozen_blocks_stay_frozen_and_the_rest_train_as_unpipelined(mesh, frozen):
-    """AdamW with weight decay: a frozen block that received zero gradients would still decay."""
+@pytest.mark.parametrize("frozen, fsdp", [((1, 2), 1), ((3,), 1), ((1, 2), 4)])
+def test_frozen_blocks_stay_frozen_and_the_rest_train_as_unpipelined(mesh, frozen, fsdp):
+    """AdamW with weight decay: a frozen block that received zero gradients would still
+    decay. With fsdp the frozen blocks' weights (a buffer beside the trained ones) are
+    sharded too."""
     model = tiny_mlp(blocks=4)
     for block in frozen:
         model[1 + block].requires_grad_(False)
     reference = copy.deepcopy(model)
-    pipe = xpipe.Pipe(model, chunks=4, mesh=mesh)
+    pipe = xpipe.Pipe(model, chunks=4, mesh=mesh if fsdp == 1 else xpipe.make_mesh(2, fsdp=fsdp))
     optimizer = torch.optim.AdamW(pipe.parameters(), lr=0.01, weight_decay=0.5)
     reference_optimizer = torch.optim.AdamW([p for p in reference.parameters() if p.requires_grad], lr=0.01,
                                             weight_decay=0.5)
-    batch, targets = batch_for(model, 8)
+    batch, targets = batch_for(model, 4 * pipe.runner.replicas)
     for _ in range(2):
         loss_of(pipe(batch), targets.to(pipe.devices[0])).backward()
         optimizer.step()
@@ -74,6 +76,9 @@ def test_frozen_blocks_stay_frozen_and_the_rest_train_as_unpipelined(mesh, froze
         if block in frozen:
             torch.testing.assert_close(value.cpu(), initial[name], rtol=0, atol=0)
     assert all(pipe.named_gradients()[f"{1 + block}.up.weight"] is None for block in frozen)
+    if fsdp > 1:
+        held = [b for name, b in pipe.runner.body.named_buffers() if name.endswith("__frozen")]
+        assert held and all("devices=" in torch_xla._XLAC._get_xla_sharding_spec(b) for b in held)
 
 
 def test_changing_requires_grad_after_wrapping_is_refused(mesh):
@@ -112,11 +117,14 @@ def dropout_model(p: float, blocks: int = 4, width: int = 64) -> nn.Sequential:
                          identity_linear(width))
 
 
-def test_dropout_in_the_body_drops_at_its_rate_with_a_new_mask_per_row(mesh):
+@pytest.mark.parametrize("fsdp", [1, 4])
+def test_dropout_in_the_body_drops_at_its_rate_with_a_new_mask_per_row(mesh, fsdp):
     """Four blocks of p = 0.1: an element survives with (1 - p)^4. Every row is the same
-    input, in another microbatch, replica or position, so equal masks would show as equal rows."""
+    input, in another microbatch, replica (or fsdp shard) or position, so equal masks
+    would show as equal rows."""
     p, blocks, rows, width = 0.1, 4, 256, 64
-    pipe = xpipe.Pipe(dropout_model(p, blocks, width), chunks=8, mesh=mesh)
+    pipe = xpipe.Pipe(dropout_model(p, blocks, width), chunks=8,
+                      mesh=mesh if fsdp == 1 else xpipe.make_mesh(2, fsdp=fsdp))
     torch.manual_seed(1)
     with torch.no_grad():
         survived = pipe(torch.ones(rows, width)).cpu() != 0

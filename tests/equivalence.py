@@ -11,6 +11,7 @@ import torch_xla.debug.metrics as metrics
 
 import xpipe
 from xpipe import checkpoints
+from xpipe._xla import to_host
 
 # fp32 on both sides; the pipeline sums microbatch gradients in another order.
 RTOL, ATOL = 1e-4, 1e-5
@@ -48,16 +49,31 @@ def assert_pipe_matches(model: torch.nn.Module, batch: torch.Tensor, targets: to
     torch_xla.sync()
     torch.testing.assert_close(output.cpu(), expected.detach(), rtol=RTOL, atol=ATOL)
     torch.testing.assert_close(loss.cpu(), expected_loss.detach(), rtol=RTOL, atol=ATOL)
-    gradients = pipe.named_gradients()
+    gradients = host_gradients(pipe)
     for name, parameter in reference.named_parameters(remove_duplicate=False):
-        torch.testing.assert_close(gradients[name].cpu(), parameter.grad, rtol=RTOL, atol=ATOL,
+        torch.testing.assert_close(gradients[name], parameter.grad, rtol=RTOL, atol=ATOL,
                                    msg=lambda m, name=name: f"gradient of {name}: {m}")
     torch.optim.SGD(pipe.parameters(), lr=0.1).step()
     torch_xla.sync()
-    for name, value in pipe.state_dict().items():
-        torch.testing.assert_close(value.cpu(), reference.state_dict()[name], rtol=RTOL, atol=ATOL,
+    for name, value in pipe.host_state_dict().items():
+        torch.testing.assert_close(value, reference.state_dict()[name], rtol=RTOL, atol=ATOL,
                                    msg=lambda m, name=name: f"{name} after one step: {m}")
     return pipe
+
+
+def host_gradients(pipe: xpipe.Pipe) -> dict[str, torch.Tensor]:
+    """``pipe.named_gradients()`` on the host, every name of a tied weight included, each
+    gradient fetched whole once (a ``.cpu()`` of every stacked block's view would
+    compile a program per view)."""
+    parameters = [p for p in pipe.parameters() if p.grad is not None]
+    hosts = to_host([p.grad for p in parameters])
+    found = {name: part for parameter, host in zip(parameters, hosts)
+             for name, part in pipe.runner.named_slices(parameter, host)}
+    by_gradient = {id(p.grad): host for p, host in zip(parameters, hosts)}
+    for name, gradient in pipe.named_gradients().items():
+        if name not in found and gradient is not None and id(gradient) in by_gradient:
+            found[name] = by_gradient[id(gradient)]
+    return found
 
 
 def assert_step_matches(model: torch.nn.Module, batch: torch.Tensor, target: torch.Tensor,
@@ -71,11 +87,11 @@ def assert_step_matches(model: torch.nn.Module, batch: torch.Tensor, target: tor
     loss = pipe.step(batch, target)
     torch_xla.sync()
     torch.testing.assert_close(loss.cpu(), expected.detach(), rtol=RTOL, atol=ATOL)
-    gradients = pipe.named_gradients()
+    gradients = host_gradients(pipe)
     for name, parameter in reference.named_parameters():
-        torch.testing.assert_close(gradients[name].cpu(), parameter.grad, rtol=RTOL, atol=ATOL,
+        torch.testing.assert_close(gradients[name], parameter.grad, rtol=RTOL, atol=ATOL,
                                    msg=lambda m, name=name: f"gradient of {name}: {m}")
-    state = pipe.state_dict()
+    state = pipe.host_state_dict()
     for name, buffer in reference.named_buffers():
         torch.testing.assert_close(state[name].cpu(), buffer, rtol=RTOL, atol=ATOL,
                                    msg=lambda m, name=name: f"buffer {name}: {m}")

@@ -96,7 +96,7 @@ def assert_loss_step_matches(pipe, reference, **inputs: torch.Tensor) -> None:
 
 def assert_gradients_match(pipe, reference) -> None:
     """Every parameter's gradient, under its name in the unpipelined ``reference``."""
-    from equivalence import ATOL, RTOL
+    from equivalence import ATOL, RTOL, host_gradients
 
     gradients = host_gradients(pipe)
     for name, parameter in reference.named_parameters():
@@ -104,13 +104,3 @@ def assert_gradients_match(pipe, reference) -> None:
         torch.testing.assert_close(gradients[name], parameter.grad, rtol=RTOL, atol=ATOL,
                                    msg=lambda m, name=name: f"gradient of {name}: {m}")
 
-
-def host_gradients(pipe) -> dict:
-    """``pipe.named_gradients()`` on the host, each stacked gradient fetched whole once
-    (a ``.cpu()`` of every block's view would compile a program per view)."""
-    from xpipe._xla import to_host
-
-    parameters = [p for p in pipe.parameters() if p.grad is not None]
-    hosts = to_host([p.grad for p in parameters])
-    return {name: part for parameter, host in zip(parameters, hosts)
-            for name, part in pipe.runner.named_slices(parameter, host)}

@@ -225,11 +225,13 @@ def restore_shardings(kept: list[tuple[torch.Tensor, Any]]) -> None:
         torch_xla._XLAC._xla_sync_multi([tensor for tensor, _ in kept], devices=[], wait=True)
 
 
-def shard_like(tensor: torch.Tensor, like: torch.Tensor) -> None:
-    """Shard ``tensor`` (an optimizer's state loaded onto the device, say) as ``like``
-    (its parameter), if ``like`` is sharded and they have one shape."""
-    if tensor.device.type == "xla" and tensor.shape == like.shape:
-        restore_shardings([(tensor, sharding) for _, sharding in kept_shardings([like])])
+def shard_like(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Shard each ``tensor`` of ``(tensor, like)`` as ``like`` (an optimizer's state,
+    loaded onto the device, as its parameter) where ``like`` is sharded and they
+    have one shape; all materialized together."""
+    restore_shardings([(tensor, sharding) for tensor, like in pairs
+                       if tensor.device.type == "xla" and tensor.shape == like.shape
+                       for _, sharding in kept_shardings([like])])
 
 
 def shard_bytes(tensors: list[torch.Tensor]) -> dict[str, int]:

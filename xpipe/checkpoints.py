@@ -439,11 +439,9 @@ def _load_optimizer_or_change_nothing(optimizer: torch.optim.Optimizer, state: d
         raise ValueError(f"optimizer: the state in {str(path)!r} does not load into this "
                          f"{type(optimizer).__name__} ({type(error).__name__}: {error}); build the optimizer the "
                          "checkpoint was saved with, or load with optimizer=None") from error
-    for group in optimizer.param_groups:  # loaded whole onto the device: sharded as its parameter again
-        for parameter in group["params"]:
-            for value in optimizer.state.get(parameter, {}).values():
-                if isinstance(value, torch.Tensor):
-                    shard_like(value, parameter)
+    # Loaded whole onto the device: each state tensor sharded as its parameter again.
+    shard_like([(value, parameter) for group in optimizer.param_groups for parameter in group["params"]
+                for value in optimizer.state.get(parameter, {}).values() if isinstance(value, torch.Tensor)])
 
 
 def _assembled(pipe: nn.Module, parameter: torch.Tensor, named_state: dict[str, dict[str, torch.Tensor]]) -> dict:

@@ -154,9 +154,10 @@ def spanned_axes(op: Collective, mesh: Any) -> tuple[str, ...]:
 
 
 def bytes_per_device(tensors: Iterable[torch.Tensor]) -> dict[str, int]:
-    """The bytes each XLA device holds of ``tensors`` (each counted once), read from
-    the shards it holds: ``{"xla:0": ..., ...}``. A tensor not sharded under SPMD
-    counts whole on its device (every device, in SPMD mode)."""
+    """The bytes each XLA device holds of ``tensors`` (each counted once), by the
+    device's name as torch_xla gives it: under SPMD read from the shards each device
+    holds (a replicated tensor counts whole on every device); outside SPMD each
+    tensor counts whole on its own device."""
     from xpipe._xla import shard_bytes
 
     return shard_bytes(list({id(t): t.detach() for t in tensors if t.device.type == "xla"}.values()))

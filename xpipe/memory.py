@@ -12,6 +12,7 @@ bytes measured on emulated devices.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -58,14 +59,8 @@ def per_device(*, stacked: Iterable[tuple[int, ...]], outer: Iterable[tuple[int,
     # The step's gathered copies: one stage's slice of the body and the outer layers
     # whole (already whole at rest without fsdp), each with a gradient of its size.
     stage_body = sum(shard_numel(shape, ("stage", None, None), axes) for shape in stacked)
-    whole_outer = sum(_numel(shape) for shape in outer) if axes.fsdp > 1 else 0
+    whole_outer = sum(math.prod(shape) for shape in outer) if axes.fsdp > 1 else 0
     gathered = 2 * (stage_body + whole_outer) * itemsize
     state_itemsize = itemsize if optimizer_itemsize is None else optimizer_itemsize
     return DeviceMemory(parameters, parameters, (body + around) * optimizer_states * state_itemsize, gathered)
 
-
-def _numel(shape: tuple[int, ...]) -> int:
-    count = 1
-    for size in shape:
-        count *= size
-    return count

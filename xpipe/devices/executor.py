@@ -446,15 +446,25 @@ class _Step:
             if grad is not None:
                 self.received[microbatch][key].append(grad)
         totals = self._accumulate(stage, found[len(wrt):]) if weights else []
-        return [g for g in input_grads if g is not None] + totals
+        # The gradients fed in are launched too (the last stage's ones_like): autograd's
+        # worker thread may hold them past the step, like the microbatch's gradients.
+        return [g for g in input_grads if g is not None] + totals + output_grads
 
     def _accumulate(self, stage: int, grads: tuple[torch.Tensor | None, ...]) -> list[torch.Tensor]:
-        """Add one microbatch's weight gradients to the stage's sums; returns the sums."""
+        """Add one microbatch's weight gradients to the stage's sums; returns the sums
+        and the microbatch's own gradients, all to be launched together.
+
+        The microbatch's gradients are launched too because autograd's worker thread
+        can still hold them (in its finished graph task) after the step returns: left
+        pending, they joined the next graph run on that device, which then compiled a
+        program of its own (seen: a new compile at the fifth or sixth step, now and then).
+        """
         totals = self.accumulated[stage]
         for index, grad in enumerate(grads):
             if grad is not None:
                 totals[index] = grad if totals[index] is None else totals[index] + grad
-        return [t for t in totals if t is not None]
+        summed = [t for t in totals if t is not None]
+        return summed + [g for g in grads if g is not None and not any(g is t for t in summed)]
 
     def _as_leaves(self, program: StageProgram, args: list[Any]) -> list[Any]:
         """``args`` as fresh autograd leaves where their gradients go somewhere (back to the

@@ -37,4 +37,11 @@ class ShardableOps(TorchFunctionMode):
         return (rewrite or func)(*args, **(kwargs or {}))
 
 
-REWRITES = {F.layer_norm: layer_norm, torch.layer_norm: layer_norm}
+def aten_layer_norm(x: torch.Tensor, normalized_shape, weight=None, bias=None, eps: float = 1e-5,
+                    cudnn_enable: bool = True) -> torch.Tensor:
+    """``aten.layer_norm`` as torch.export records it (GPT-2's blocks), by :func:`layer_norm`."""
+    return layer_norm(x, normalized_shape, weight, bias, eps)
+
+
+REWRITES = {F.layer_norm: layer_norm, torch.layer_norm: layer_norm,
+            torch.ops.aten.layer_norm.default: aten_layer_norm}

@@ -6,12 +6,12 @@ from transformers import (BertConfig, BertForMaskedLM, GPT2Config, GPT2LMHeadMod
                           MixtralConfig, MixtralForCausalLM, T5Config, T5ForConditionalGeneration)
 
 
-def llama(layers: int = 4) -> LlamaForCausalLM:
-    """Tied embeddings, grouped-query attention (4 heads, 2 key/value heads)."""
+def llama(layers: int = 4, heads: int = 4, kv_heads: int = 2) -> LlamaForCausalLM:
+    """Tied embeddings, grouped-query attention (4 heads, 2 key/value heads by default)."""
     torch.manual_seed(0)
     return LlamaForCausalLM(LlamaConfig(
-        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=layers, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=True, use_cache=False))
+        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=layers, num_attention_heads=heads,
+        num_key_value_heads=kv_heads, max_position_embeddings=64, tie_word_embeddings=True, use_cache=False))
 
 
 def gpt2(layers: int = 4, dropout: float | None = None) -> GPT2LMHeadModel:

@@ -4,9 +4,12 @@ import numpy as np
 import pytest
 import torch_xla.distributed.spmd as xs
 
-from xpipe.layout import MeshAxes, outer_spec, shard_numel, stacked_spec
+from torch import nn
+
+from xpipe.layout import MeshAxes, outer_spec, shard_numel, stacked_spec, stored_shape
 from xpipe.memory import per_device
 from xpipe.mesh import axes_of, mesh_axes
+from xpipe.tensor_rules import check_head_counts, check_rules, tensor_dims
 
 FSDP = MeshAxes(stage=2, data=1, fsdp=4)
 
@@ -45,7 +48,9 @@ def test_the_memory_model_on_a_literal_example():
 def test_mesh_sizes_that_do_not_fill_the_devices_are_refused_with_the_sizes_that_do():
     assert mesh_axes(2, fsdp=4) == MeshAxes(stage=2, data=1, fsdp=4)
     assert mesh_axes(2, 2, fsdp=2).devices == 8
-    with pytest.raises(ValueError, match=r"stages=2 x data=1 x fsdp=3 needs 6 devices but there are 8"):
+    with pytest.raises(ValueError, match=r"stages=3 x data=1 x fsdp=2 x tensor=1 needs 6 devices but there are 8"):
+        mesh_axes(3, 1, fsdp=2)
+    with pytest.raises(ValueError, match=r"fsdp: fsdp=3 x tensor=1 does not divide the 8 devices"):
         mesh_axes(2, 1, fsdp=3)
     with pytest.raises(ValueError, match=r"fsdp: must be a positive integer, got 0"):
         mesh_axes(2, fsdp=0)
@@ -53,8 +58,71 @@ def test_mesh_sizes_that_do_not_fill_the_devices_are_refused_with_the_sizes_that
 
 def test_a_mesh_with_other_axes_is_refused_naming_the_axes_it_needs():
     assert axes_of(xs.Mesh(np.arange(8), (2, 4), ("stage", "fsdp"))) == MeshAxes(stage=2, fsdp=4)
-    with pytest.raises(ValueError, match=r"mesh: expected a mesh with a 'stage' axis and optionally 'data' and "
-                                         r"'fsdp', got \('data', 'model'\)"):
+    assert axes_of(xs.Mesh(np.arange(8), (2, 2, 2), ("stage", "fsdp", "tensor"))) == MeshAxes(2, 1, 2, 2)
+    with pytest.raises(ValueError, match=r"mesh: expected a mesh with a 'stage' axis and optionally 'data', "
+                                         r"'fsdp' and 'tensor', got \('data', 'model'\)"):
         axes_of(xs.Mesh(np.arange(8), (2, 4), ("data", "model")))
     with pytest.raises(ValueError, match=r"mesh: expected"):
         axes_of("2x4")
+
+
+TENSOR = MeshAxes(stage=2, data=1, fsdp=2, tensor=2)
+
+
+def test_with_a_tensor_axis_weights_rest_sharded_over_tensor_then_fsdp():
+    assert stacked_spec(TENSOR) == ("stage", None, ("tensor", "fsdp"))
+    assert stacked_spec(MeshAxes(stage=2, tensor=4)) == ("stage", None, "tensor")
+    assert outer_spec((128, 32), TENSOR) == (("stage", "tensor", "fsdp"), None)
+    assert stored_shape((64, 32), 1) == (32, 64)  # the split dim first, so that its slices are contiguous
+    assert stored_shape((64, 32), 0) == stored_shape((64, 32), None) == (64, 32)
+    assert mesh_axes(2, fsdp=2, tensor=2) == TENSOR and TENSOR.row_groups == 2 and TENSOR.per_stage == 4
+    with pytest.raises(ValueError, match=r"stages=2 x data=4 x fsdp=1 x tensor=2 needs 16 devices but there are 8"):
+        mesh_axes(2, 4, tensor=2)
+
+
+def test_the_memory_model_counts_a_tensor_devices_share_of_the_split_weights_in_a_step():
+    split = per_device(stacked=[(2, 4, 1024)], outer=[], axes=TENSOR, split=[True])
+    whole = per_device(stacked=[(2, 4, 1024)], outer=[], axes=TENSOR)
+    assert split.parameters == whole.parameters == 4 * 256 * 4  # at rest: a quarter of a stage's slice
+    assert split.gathered == 2 * 4 * 512 * 4 and whole.gathered == 2 * 4 * 1024 * 4
+
+
+LLAMA_BLOCK = {"model.layers.0.self_attn.q_proj.weight": (32, 32), "model.layers.0.self_attn.k_proj.weight": (16, 32),
+               "model.layers.0.self_attn.o_proj.weight": (32, 32), "model.layers.0.mlp.down_proj.weight": (32, 64),
+               "model.layers.0.input_layernorm.weight": (32,)}
+
+
+def test_built_in_rules_split_column_parallel_weights_on_outputs_and_row_parallel_on_inputs():
+    assert tensor_dims(LLAMA_BLOCK, LLAMA_BLOCK.values(), 2) == [0, 0, 1, 1, None]
+    assert tensor_dims(LLAMA_BLOCK, LLAMA_BLOCK.values(), 1) == [None] * 5
+    gpt2 = {"transformer.h.0.attn.c_attn.weight": (32, 96), "transformer.h.0.mlp.c_fc.weight": (32, 128),
+            "transformer.h.0.mlp.c_proj.weight": (128, 32)}  # Conv1D: [in, out]; q, k, v packed: kept whole
+    assert tensor_dims(gpt2, gpt2.values(), 2) == [None, 1, 0]
+    encoder = {"layers.0.self_attn.in_proj_weight": (96, 32), "layers.0.linear1.weight": (64, 32),
+               "layers.0.linear2.weight": (32, 64), "layers.0.norm1.weight": (32,)}
+    assert tensor_dims(encoder, encoder.values(), 2) == [None, 0, 1, None]
+
+
+def test_a_users_rules_come_before_the_built_in_ones():
+    rules = {"*.q_proj.weight": None, "*.extra": 1}
+    assert tensor_dims([*LLAMA_BLOCK, "block.extra"], [*LLAMA_BLOCK.values(), (4, 8)], 2, rules) == \
+        [None, 0, 1, 1, None, 1]
+
+
+def test_weights_no_rule_covers_or_whose_split_dim_does_not_divide_are_refused_by_name():
+    with pytest.raises(ValueError, match=r"tensor_rules: no rule says how tensor=2 splits the block weights "
+                                         r"\['block.gate.weight'\]; give Pipe\(..., tensor_rules="):
+        tensor_dims(["block.gate.weight"], [(8, 8)], 2)
+    with pytest.raises(ValueError, match=r"tensor: 4 does not divide the split dim of "
+                                         r"\['model.layers.0.self_attn.k_proj.weight \[6, 32\] \(dim 0\)'\]"):
+        tensor_dims(["model.layers.0.self_attn.k_proj.weight"], [(6, 32)], 4)
+    with pytest.raises(TypeError, match=r"tensor_rules: expected a dict of parameter-name patterns"):
+        check_rules({"*.q_proj.weight": "rows"})
+
+
+def test_a_tensor_size_that_does_not_divide_the_heads_is_refused_naming_them():
+    layer = nn.TransformerEncoderLayer(12, 3, 16, batch_first=True)
+    with pytest.raises(ValueError, match=r"tensor: 2 does not divide the model's attention heads "
+                                         r"\{'self_attn.num_heads': 3\}"):
+        check_head_counts(layer, 2)
+    check_head_counts(layer, 3)

@@ -20,11 +20,23 @@ class MeshAxes:
     stage: int
     data: int = 1
     fsdp: int = 1
+    tensor: int = 1
 
     @property
     def per_stage(self) -> int:
-        """Devices that hold one stage: a batch row is on exactly one of them."""
+        """Devices that hold one stage."""
+        return self.data * self.fsdp * self.tensor
+
+    @property
+    def row_groups(self) -> int:
+        """Groups of a stage's devices that run their own rows of every microbatch
+        (data x fsdp): the devices of one group (a "tensor" group) share their rows."""
         return self.data * self.fsdp
+
+    @property
+    def sharding(self) -> tuple[str, ...]:
+        """The axes that shard weights at rest besides "stage" ("tensor", then "fsdp"), those of size > 1."""
+        return tuple(name for name in ("tensor", "fsdp") if getattr(self, name) > 1)
 
     @property
     def devices(self) -> int:
@@ -40,21 +52,45 @@ class MeshAxes:
 
 
 def stacked_spec(axes: MeshAxes) -> Spec:
-    """The stacked body ``[S, V * K, numel]``: "stage" on dim 0, "fsdp" on the
-    flattened weight (so any block parameter divides, up to padding)."""
-    return ("stage", None, "fsdp" if axes.fsdp > 1 else None)
+    """The stacked body ``[S, V * K, numel]`` at rest: "stage" on dim 0, "tensor" and
+    "fsdp" on the flattened weight (so any block parameter divides, up to padding).
+
+    "tensor" comes first: a block weight is stored with its tensor-split dim
+    first (see :func:`stored_shape`), so each "tensor" device's contiguous share
+    of ``numel`` is its own slice of that dim, and gathering over "fsdp" alone
+    makes the slice a step runs with.
+    """
+    sharding = axes.sharding
+    return ("stage", None, (sharding[0] if len(sharding) == 1 else sharding) if sharding else None)
+
+
+def stepping_spec(batch_axes: tuple[str, ...], split: bool) -> Spec:
+    """A block weight as a step runs it, one copy per row group ``[S * P, V * K, numel]``:
+    its stage's slice whole on every device, or, where "tensor" splits it, each
+    tensor device's own slice."""
+    return (batch_axes, None, "tensor" if split else None)
+
+
+def stored_shape(shape: tuple[int, ...], dim: int | None) -> tuple[int, ...]:
+    """The shape a block weight is stored in (before flattening): its tensor-split
+    dim ``dim`` moved first, so that slices of that dim are contiguous."""
+    if dim is None or dim == 0:
+        return tuple(shape)
+    return (shape[dim], *shape[:dim], *shape[dim + 1:])
 
 
 def outer_spec(shape: tuple[int, ...], axes: MeshAxes) -> Spec:
     """A parameter of the layers before or after the body (embedding, head, final norm).
 
-    Without "fsdp" they stay replicated (plain data parallelism, as before FSDP).
-    With it: sharded over ("stage", "fsdp") together on the largest dim that they
-    divide, else over "fsdp" alone, else (a dim too small for either) replicated.
+    Without "fsdp" or "tensor" they stay replicated (plain data parallelism, as
+    before FSDP). With them: sharded over "stage" and those axes together on the
+    largest dim that they divide, else over those axes alone, else over one of
+    them, else (a dim too small for any) replicated.
     """
-    if axes.fsdp == 1 or not shape:
+    sharding = axes.sharding
+    if not sharding or not shape:
         return (None,) * len(shape)
-    for names in (("stage", "fsdp"), ("fsdp",)):
+    for names in (("stage", *sharding), sharding, *((name,) for name in sharding)):
         dims = [dim for dim, size in enumerate(shape) if size % axes.size(names) == 0]
         if dims:
             chosen = max(dims, key=lambda dim: shape[dim])

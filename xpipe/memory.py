@@ -40,13 +40,16 @@ class DeviceMemory:
 
 
 def per_device(*, stacked: Iterable[tuple[int, ...]], outer: Iterable[tuple[int, ...]], axes: MeshAxes,
-               itemsize: int = 4, optimizer_states: int = 2, optimizer_itemsize: int | None = None) -> DeviceMemory:
+               split: Iterable[bool] = (), itemsize: int = 4, optimizer_states: int = 2,
+               optimizer_itemsize: int | None = None) -> DeviceMemory:
     """Bytes per device of the spmd executor's weights on a mesh of ``axes``.
 
     Args:
         stacked: shape of each stacked body weight, ``[S, V * K, numel]``.
         outer: shape of each distinct parameter of the layers before and after the body.
         axes: the mesh.
+        split: per stacked weight, whether "tensor" splits it in a step (see
+            :mod:`xpipe.tensor_rules`); those left out are not split.
         itemsize: bytes per element of the weights and their gradients.
         optimizer_states: tensors shaped like a weight that the optimizer keeps for
             it (AdamW and Adam 2, SGD with momentum 1, plain SGD 0).
@@ -56,10 +59,14 @@ def per_device(*, stacked: Iterable[tuple[int, ...]], outer: Iterable[tuple[int,
     body = sum(shard_numel(shape, stacked_spec(axes), axes) for shape in stacked)
     around = sum(shard_numel(shape, outer_spec(shape, axes), axes) for shape in outer)
     parameters = (body + around) * itemsize
-    # The step's gathered copies: one stage's slice of the body and the outer layers
-    # whole (already whole at rest without fsdp), each with a gradient of its size.
-    stage_body = sum(shard_numel(shape, ("stage", None, None), axes) for shape in stacked)
-    whole_outer = sum(math.prod(shape) for shape in outer) if axes.fsdp > 1 else 0
+    # The step's gathered copies: one stage's slice of the body (a tensor device's
+    # share of it where "tensor" splits a weight) and the outer layers whole (already
+    # whole at rest without fsdp or tensor), each with a gradient of its size.
+    split = list(split)
+    split += [False] * (len(stacked) - len(split))
+    stage_body = sum(shard_numel(shape, ("stage", None, "tensor" if cut else None), axes)
+                     for shape, cut in zip(stacked, split))
+    whole_outer = sum(math.prod(shape) for shape in outer) if axes.sharding else 0
     gathered = 2 * (stage_body + whole_outer) * itemsize
     state_itemsize = itemsize if optimizer_itemsize is None else optimizer_itemsize
     return DeviceMemory(parameters, parameters, (body + around) * optimizer_states * state_itemsize, gathered)

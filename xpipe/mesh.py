@@ -1,8 +1,9 @@
-"""The device mesh (axes "data", "stage" and, for ZeRO-3 inside the stages, "fsdp"),
-and switching the process into SPMD mode.
+"""The device mesh (axes "data", "stage" and, inside the stages, "fsdp" for ZeRO-3
+and "tensor" for tensor parallelism), and switching the process into SPMD mode.
 
     mesh = xpipe.make_mesh(stages=4)                   # on 8 devices: 2 (data) x 4 (stage)
     mesh = xpipe.make_mesh(stages=2, fsdp=4)           # 2 stages, each sharded over 4 devices
+    mesh = xpipe.make_mesh(stages=2, fsdp=2, tensor=2)  # and each block split over 2 of them
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from xpipe._checks import check_positive_int
 from xpipe._xla import check_can_enter_spmd, warm_autograd
 from xpipe.layout import MeshAxes
 
-AXES = ("data", "stage", "fsdp")  # the axes a mesh may have; one of size 1 may be left out, but "stage"
+AXES = ("data", "stage", "fsdp", "tensor")  # the axes a mesh may have; one of size 1 may be left out, but "stage"
 
 
 def spmd_device() -> torch.device:
@@ -39,36 +40,40 @@ def spmd_device() -> torch.device:
     return device
 
 
-def make_mesh(stages: int, data: int | None = None, *, fsdp: int = 1) -> xs.Mesh:
-    """A mesh of all XLA devices with axes ``("data", "stage")``, and ``"fsdp"`` last
-    when ``fsdp > 1``.
+def make_mesh(stages: int, data: int | None = None, *, fsdp: int = 1, tensor: int = 1) -> xs.Mesh:
+    """A mesh of all XLA devices with axes ``("data", "stage")``, then ``"fsdp"``
+    when ``fsdp > 1`` and ``"tensor"`` when ``tensor > 1``.
 
-    Devices are numbered stage-major: device ``(s * data + d) * fsdp + f`` is fsdp
-    shard ``f`` of data replica ``d`` of stage ``s``. The devices of a stage are
-    neighbours (on a pod: one host or one slice, where the links are fast), and a
-    batch sharded over ("stage", "data", "fsdp") lies on the devices in order.
+    Devices are numbered stage-major, "tensor" innermost: device
+    ``((s * data + d) * fsdp + f) * tensor + t`` is tensor shard ``t`` of fsdp shard
+    ``f`` of data replica ``d`` of stage ``s``. A tensor group (which talks after
+    every block's split matmuls) is nearest neighbours, the devices of a stage
+    are neighbours (on a pod: one host or one slice, where the links are fast),
+    and a batch sharded over ("stage", "data", "fsdp") lies on the devices in order.
 
     "data" replicates each stage's weights; "fsdp" shards them (ZeRO-3: weights,
-    gradients and optimizer state), gathered once per step.
+    gradients and optimizer state), gathered once per step; "tensor" splits each
+    block's matrices (:mod:`xpipe.tensor_rules`), so its devices share their rows.
 
     Args:
         stages: size of the "stage" axis (pipeline stages).
-        data: size of the "data" axis; defaults to ``devices // (stages * fsdp)``.
+        data: size of the "data" axis; defaults to ``devices // (stages * fsdp * tensor)``.
         fsdp: size of the "fsdp" axis.
+        tensor: size of the "tensor" axis.
 
     Raises:
-        ValueError: if ``stages * data * fsdp`` is not the device count; the message
-            lists the sizes that would fit.
+        ValueError: if ``stages * data * fsdp * tensor`` is not the device count;
+            the message lists the sizes that would fit.
     """
-    axes = mesh_axes(stages, data, fsdp=fsdp)
+    axes = mesh_axes(stages, data, fsdp=fsdp, tensor=tensor)
     spmd_device()
-    order = np.arange(axes.devices).reshape(axes.stage, axes.data, axes.fsdp).transpose(1, 0, 2)
-    if axes.fsdp == 1:
-        return xs.Mesh(order.flatten(), (axes.data, axes.stage), AXES[:2])
-    return xs.Mesh(order.flatten(), (axes.data, axes.stage, axes.fsdp), AXES)
+    sizes = {"data": axes.data, "stage": axes.stage, "fsdp": axes.fsdp, "tensor": axes.tensor}
+    names = tuple(name for name in AXES if name in ("data", "stage") or sizes[name] > 1)
+    order = np.arange(axes.devices).reshape(axes.stage, axes.data, axes.fsdp, axes.tensor).transpose(1, 0, 2, 3)
+    return xs.Mesh(order.flatten(), tuple(sizes[name] for name in names), names)
 
 
-def mesh_axes(stages: int, data: int | None = None, *, fsdp: int = 1) -> MeshAxes:
+def mesh_axes(stages: int, data: int | None = None, *, fsdp: int = 1, tensor: int = 1) -> MeshAxes:
     """The axes of a mesh of all XLA devices, checked without entering SPMD mode.
 
     Raises:
@@ -77,14 +82,19 @@ def mesh_axes(stages: int, data: int | None = None, *, fsdp: int = 1) -> MeshAxe
     devices = xr.global_runtime_device_count()
     stages = check_positive_int(stages, "stages")
     fsdp = check_positive_int(fsdp, "fsdp")
-    data = devices // (stages * fsdp) if data is None else check_positive_int(data, "data")
-    if data < 1 or data * stages * fsdp != devices:
-        fits = [s for s in range(1, devices + 1) if devices % (s * fsdp) == 0]
+    tensor = check_positive_int(tensor, "tensor")
+    inner = fsdp * tensor
+    data = devices // (stages * inner) if data is None else check_positive_int(data, "data")
+    if data < 1 or data * stages * inner != devices:
+        fits = [s for s in range(1, devices + 1) if devices % (s * inner) == 0]
+        if not fits:
+            raise ValueError(f"fsdp: fsdp={fsdp} x tensor={tensor} does not divide the {devices} devices; use sizes "
+                             "whose product divides the device count")
         raise ValueError(
-            f"stages: a mesh of stages={stages} x data={data} x fsdp={fsdp} needs {stages * data * fsdp} devices "
-            f"but there are {devices}; with fsdp={fsdp} use stages in {fits} and data = {devices} // "
-            f"(stages * fsdp)")
-    return MeshAxes(stages, data, fsdp)
+            f"stages: a mesh of stages={stages} x data={data} x fsdp={fsdp} x tensor={tensor} needs "
+            f"{stages * data * inner} devices but there are {devices}; with fsdp={fsdp} and tensor={tensor} use "
+            f"stages in {fits} and data = {devices} // (stages * fsdp * tensor)")
+    return MeshAxes(stages, data, fsdp, tensor)
 
 
 def axes_of(mesh: xs.Mesh) -> MeshAxes:
@@ -92,12 +102,12 @@ def axes_of(mesh: xs.Mesh) -> MeshAxes:
 
     Raises:
         ValueError: naming ``mesh`` if it is not a torch_xla Mesh with a "stage"
-            axis and otherwise only "data" and "fsdp".
+            axis and otherwise only "data", "fsdp" and "tensor".
     """
     names = tuple(getattr(mesh, "axis_names", None) or ())
     if not isinstance(mesh, xs.Mesh) or "stage" not in names or not set(names) <= set(AXES) \
             or len(set(names)) != len(names):
-        raise ValueError(f"mesh: expected a mesh with a 'stage' axis and optionally 'data' and 'fsdp', got "
+        raise ValueError(f"mesh: expected a mesh with a 'stage' axis and optionally 'data', 'fsdp' and 'tensor', got "
                          f"{names or mesh!r}; build it with xpipe.make_mesh")
     sizes = dict(zip(names, (int(size) for size in mesh.mesh_shape)))
-    return MeshAxes(sizes["stage"], sizes.get("data", 1), sizes.get("fsdp", 1))
+    return MeshAxes(sizes["stage"], sizes.get("data", 1), sizes.get("fsdp", 1), sizes.get("tensor", 1))

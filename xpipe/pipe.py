@@ -39,6 +39,7 @@ from xpipe.schedule import Schedule, by_name
 from xpipe.spmd.executor import SCHEDULES as SPMD_SCHEDULES
 from xpipe.spmd.executor import SpmdPipeline, spread
 from xpipe.spmd.stacking import cut_for_stacking
+from xpipe.tensor_rules import check_head_counts, check_rules
 
 EXECUTORS = ("auto", "spmd", "devices")
 
@@ -61,10 +62,11 @@ class Pipe(nn.Module):
             executor spreads the repeated blocks evenly over the stages, so a
             balance other than that split is an error there; the devices
             executor takes any balance.
-        mesh: the spmd executor's mesh: axes "stage" and "data", and "fsdp" to
-            shard every stage's weights, gradients and optimizer state
-            (``xpipe.make_mesh(stages, data, fsdp=...)``); defaults to
-            ``xpipe.make_mesh(stages)``.
+        mesh: the spmd executor's mesh: axes "stage" and "data", "fsdp" to
+            shard every stage's weights, gradients and optimizer state, and
+            "tensor" to split each block's matrices over devices that share
+            their rows (``xpipe.make_mesh(stages, data, fsdp=..., tensor=...)``);
+            defaults to ``xpipe.make_mesh(stages)``.
         schedule: the schedule's name (``xpipe.schedule.SCHEDULES``). The spmd
             executor runs ``"gpipe"`` and ``"circular"`` (with ``pipe(x)`` or
             :meth:`step`); the devices executor runs every schedule with
@@ -97,6 +99,11 @@ class Pipe(nn.Module):
             of keyword inputs), for models torch.fx cannot trace (Hugging Face
             transformers): xpipe captures them with torch.export on it, with the
             batch dim left free, in the mode the model is in.
+        tensor_rules: on a mesh with a "tensor" axis, which dim of each block
+            weight it splits: parameter-name patterns (``fnmatch``) to a dim, or
+            to None to keep a weight whole; tried before the built-in rules of
+            :mod:`xpipe.tensor_rules`, which cover Llama-like models, GPT-2, BERT,
+            T5 and ``nn.TransformerEncoderLayer``.
 
     Attributes:
         partition: the :class:`xpipe.Partition` in use.
@@ -127,6 +134,7 @@ class Pipe(nn.Module):
         deferred_batch_norm: bool = False,
         executor: str = "auto",
         sample_input: Any = None,
+        tensor_rules: Mapping[str, int | None] | None = None,
     ) -> None:
         super().__init__()
         if not isinstance(module, nn.Module):
@@ -140,23 +148,30 @@ class Pipe(nn.Module):
         if loss_fn is not None and not callable(loss_fn):
             raise TypeError(f"loss_fn: expected a callable loss_fn(output, target), got {type(loss_fn).__name__}")
         self.__dict__["loss_fn"] = loss_fn  # not a submodule: the loss is not part of the model's state
+        tensor_rules = check_rules(tensor_rules)
         self.executor = _choose_executor(executor, module, mesh, stages, balance, sample_input, schedule, virtual)
         self._original_keys = list(module.state_dict(keep_vars=True))
         if self.executor == "spmd":
-            self._build_spmd(module, balance, mesh, stages, schedule, sample_input)
+            self._build_spmd(module, balance, mesh, stages, schedule, sample_input, tensor_rules)
+        elif tensor_rules:
+            raise ValueError("tensor_rules: the devices executor has no 'tensor' axis to split weights over; use "
+                             "executor='spmd' with a mesh from xpipe.make_mesh(..., tensor=N), or leave them out")
         else:
             self._build_devices(module, balance, mesh, stages, schedule, deferred_batch_norm, sample_input)
         if not module.training:
             self.eval()  # a model wrapped in eval mode stays in eval mode
 
     def _build_spmd(self, module: nn.Module, balance: Sequence[int] | None, mesh: xs.Mesh | None,
-                    stages: int | None, schedule: str, sample_input: Any) -> None:
+                    stages: int | None, schedule: str, sample_input: Any,
+                    tensor_rules: dict[str, int | None]) -> None:
         if schedule not in SPMD_SCHEDULES:
             raise ValueError(f"schedule: the spmd executor runs {' and '.join(map(repr, SPMD_SCHEDULES))} (its "
                              f"clock loop is GPipe's fill-drain, once or round the stage ring), not {schedule!r}; "
                              "use one of those, or executor='devices'")
         stages = _spmd_stage_count(mesh, stages, balance, self.virtual)
         by_name(schedule, stages, self.chunks, self.virtual)  # refuses what the ring cannot run, before device work
+        if mesh is not None:
+            check_head_counts(module, axes_of(mesh).tensor)
         plan = partition(module, stages, sample_input=sample_input)
         stacked = cut_for_stacking(module, plan, sample_input)
         if len(stacked.blocks) < stages:
@@ -171,7 +186,7 @@ class Pipe(nn.Module):
         for piece in [stacked.pre, *stacked.blocks, stacked.post]:
             place_constants_on(piece, device)
         self.runner = SpmdPipeline(stacked, self.mesh, self.chunks, self.checkpoint, device, _tie_groups(module),
-                                   self.virtual)
+                                   self.virtual, tensor_rules)
         self.schedule: Schedule = self.runner.schedule  # chunks rounded up to a multiple of stages, as it runs
         retire(module, [p for block in stacked.blocks for p in block.parameters()])
 

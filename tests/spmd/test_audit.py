@@ -10,7 +10,9 @@ with the same permutes.
 
 With an "fsdp" axis (2 stages x 4 fsdp) the weights are gathered once per step,
 before the loop, and their gradients reduced once after it: inside the loop only
-the conveyor's permutes along "stage" run.
+the conveyor's permutes along "stage" run. With a "tensor" axis too (GPT-2 on
+2 stages x 2 fsdp x 2 tensor) the loop also holds the reductions over "tensor"
+after the blocks' row-parallel matmuls, and nothing over "fsdp".
 """
 
 import pytest
@@ -21,7 +23,7 @@ import xpipe.inspect
 
 DUMP = xpipe.inspect.enable_hlo_dump()  # before any XLA tensor: XLA reads its flags once
 
-from hf_models import llama, padding_mask, tokens  # noqa: E402
+from hf_models import gpt2, llama, padding_mask, tokens  # noqa: E402
 from pipe_checks import batch_for, loss_of, tiny_lm  # noqa: E402
 
 DATA, STAGES = 2, 4
@@ -142,3 +144,26 @@ def test_fsdp_gathers_and_reductions_do_not_grow_with_the_microbatches(fsdp_audi
     for kind in ("all-gather", "all-reduce", "reduce-scatter", "collective-permute"):
         assert fsdp_audits[4][1].count(kind) == fsdp_audits[16][1].count(kind), kind
     assert fsdp_audits[16][1].count("all-to-all") == 0
+
+
+def test_tensor_parallel_blocks_reduce_over_tensor_in_the_loop_and_gather_nothing_weight_sized():
+    ids = tokens(16, 8)
+    pipe = xpipe.Pipe(gpt2(4, dropout=0.0), chunks=4, mesh=xpipe.make_mesh(2, fsdp=2, tensor=2), checkpoint="never",
+                      sample_input={"input_ids": ids[:2], "labels": ids[:2]})
+    report = xpipe.inspect.audit(lambda: pipe(input_ids=ids, labels=ids).loss.backward(), mesh=pipe.mesh)
+    in_loop = [op for op in report.ops if op.in_loop]
+    assert {op.axes for op in in_loop} == {("stage",), ("tensor",)}, report
+    assert all(op.kind == "collective-permute" for op in in_loop if op.axes == ("stage",)), report
+    # Megatron's: one all-reduce after each row-parallel matmul (attention's c_proj, the MLP's c_proj),
+    # forward and backward, of one microbatch's activation [rows, seq, hidden] on a device.
+    activation = 2 * 8 * 32 * 4
+    assert report.count("all-reduce", in_loop=True, axis="tensor") > 0
+    assert all(op.bytes == activation for op in report.of("all-reduce", in_loop=True)), report
+    # What the loop gathers over "tensor" are activations (attention scores), never a weight: no result
+    # ends in a block weight's shape, flat or as the block holds it.
+    body = pipe.runner.body
+    weights = {tuple(shape) for shape in body.shapes} | {(w[0, 0].numel(),) for w in body.weights}
+    for op in report.of("all-gather", in_loop=True):
+        _, shape = op.shapes[0]
+        assert op.axes == ("tensor",) and not any(shape[-len(w):] == w for w in weights), op
+    assert report.count("all-to-all") == 0, report

@@ -1,15 +1,18 @@
-"""FSDP (ZeRO-3) inside every stage: meshes with a "fsdp" axis beside "stage" and "data".
+"""Sharding inside every stage: meshes with "fsdp" (ZeRO-3) and "tensor" (tensor
+parallelism) axes beside "stage" and "data".
 
-Hugging Face Llama (grouped-query attention, tied embeddings) and GPT-2, one AdamW
-step against the model unpipelined on the CPU (loss and every gradient, and the
-loss after the step, rtol 1e-4 as in ``equivalence``), then two more steps with
-the compile count read after each. The bytes each device holds are read from the
-shards it holds (``xpipe.inspect.bytes_per_device``) and compared with an even
-share and with the memory model (``xpipe.memory``). The step's collectives on
-these meshes are checked in ``test_audit.py``.
+Hugging Face Llama (grouped-query attention, tied embeddings), GPT-2 and a stack of
+torch's ``nn.TransformerEncoderLayer``, one AdamW step against the model
+unpipelined on the CPU (loss and every gradient, and the loss after the step,
+rtol 1e-4 as in ``equivalence``), then two more steps with the compile count read
+after each. The bytes each device holds are read from the shards it holds
+(``xpipe.inspect.bytes_per_device``) and compared with an even share and with the
+memory model (``xpipe.memory``). The step's collectives on these meshes are
+checked in ``test_audit.py``.
 """
 
 import copy
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -26,27 +29,59 @@ from xpipe.memory import per_device
 
 ROWS = 16  # 4 microbatches of one row or more on every device of every mesh below
 MESHES = {"2 stages x 4 fsdp": dict(stages=2, fsdp=4), "4 stages x 2 fsdp": dict(stages=4, fsdp=2),
-          "2 stages x 2 data x 2 fsdp": dict(stages=2, data=2, fsdp=2)}
-CIRCULAR = dict(stages=2, fsdp=4, schedule="circular", virtual=2)
+          "2 stages x 2 data x 2 fsdp": dict(stages=2, data=2, fsdp=2),
+          "2 stages x 2 fsdp x 2 tensor": dict(stages=2, fsdp=2, tensor=2),
+          "2 stages x 4 tensor": dict(stages=2, fsdp=1, tensor=4),
+          "1 stage x 4 fsdp x 2 tensor": dict(stages=1, fsdp=4, tensor=2)}
+CIRCULAR = {"circular, 2 rounds on 2 stages x 4 fsdp": dict(stages=2, fsdp=4, schedule="circular", virtual=2),
+            "circular, 2 rounds on 2 stages x 2 fsdp x 2 tensor": dict(stages=2, fsdp=2, tensor=2,
+                                                                      schedule="circular", virtual=2)}
+CASES = [("llama", mesh) for mesh in [*MESHES, *CIRCULAR]] + [
+    ("gpt2", "4 stages x 2 fsdp"), ("gpt2", "2 stages x 2 fsdp x 2 tensor"), ("gpt2", "2 stages x 4 tensor"),
+    ("encoder", "2 stages x 2 fsdp x 2 tensor"), ("encoder", "1 stage x 4 fsdp x 2 tensor")]
 
 
 def inputs_of(family: str) -> dict[str, torch.Tensor]:
     ids = tokens(ROWS, 8)
     if family == "llama":
         return {"input_ids": ids, "attention_mask": padding_mask(ROWS), "labels": ids.roll(1, 1)}
+    if family == "encoder":
+        return {"src": torch.randn(ROWS, 8, 32, generator=torch.Generator().manual_seed(1))}
     return {"input_ids": ids, "labels": ids}
 
 
-def model_of(family: str) -> torch.nn.Module:
-    return llama(4) if family == "llama" else gpt2(4, dropout=0.0)
+class Output(NamedTuple):
+    loss: torch.Tensor
 
 
-def build(family: str, *, stages: int, fsdp: int, data: int = 1, chunks: int = 4, **options):
-    model = model_of(family)
+class EncoderStack(torch.nn.Module):
+    """Four of torch's ``nn.TransformerEncoderLayer`` (4 heads, packed q/k/v), with a
+    loss so that it trains as the Hugging Face models do: ``model(src).loss``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        layer = torch.nn.TransformerEncoderLayer(32, 4, 64, dropout=0.0, batch_first=True)
+        self.encoder = torch.nn.TransformerEncoder(layer, 4, enable_nested_tensor=False)
+
+    def forward(self, src: torch.Tensor):
+        return Output(self.encoder(src).square().mean())
+
+
+def model_of(family: str, tensor: int = 1) -> torch.nn.Module:
+    """``family``'s test model; with 4 tensor devices, Llama with 8 heads and 4 key/value
+    heads (the tensor size must divide both)."""
+    models = {"llama": lambda: llama(4) if tensor < 4 else llama(4, heads=8, kv_heads=4),
+              "gpt2": lambda: gpt2(4, dropout=0.0), "encoder": EncoderStack}
+    return models[family]()
+
+
+def build(family: str, *, stages: int, fsdp: int, data: int = 1, tensor: int = 1, chunks: int = 4, **options):
+    model = model_of(family, tensor)
     reference = copy.deepcopy(model)
     sample = {name: value[:2] for name, value in inputs_of(family).items()}
-    pipe = xpipe.Pipe(model, chunks=chunks, mesh=xpipe.make_mesh(stages, data, fsdp=fsdp), sample_input=sample,
-                      **options)
+    pipe = xpipe.Pipe(model, chunks=chunks, mesh=xpipe.make_mesh(stages, data, fsdp=fsdp, tensor=tensor),
+                      sample_input=sample, **options)
     return pipe, reference
 
 
@@ -61,10 +96,9 @@ def held(tensors) -> int:
     return max(xpipe.inspect.bytes_per_device(tensors).values())
 
 
-@pytest.mark.parametrize("family", ["llama", "gpt2"])
-@pytest.mark.parametrize("mesh", [*MESHES, "circular, 2 rounds on 2 stages x 4 fsdp"])
+@pytest.mark.parametrize(("family", "mesh"), CASES)
 def test_one_adamw_step_equals_the_plain_model_and_later_steps_compile_nothing(family, mesh):
-    options = MESHES.get(mesh, CIRCULAR)
+    options = MESHES.get(mesh) or CIRCULAR[mesh]
     pipe, reference = build(family, **options)
     assert pipe.executor == "spmd" and pipe.runner.replicas == options.get("data", 1) * options["fsdp"]
     optimizer = torch.optim.AdamW(pipe.parameters(), lr=1e-2)
@@ -104,7 +138,7 @@ def test_one_adamw_step_equals_the_plain_model_and_later_steps_compile_nothing(f
 
     if mesh in MESHES:
         assert_memory_model_holds(pipe, optimizer, gradients, MeshAxes(options["stages"], options.get("data", 1),
-                                                                       options["fsdp"]))
+                                                                       options["fsdp"], options.get("tensor", 1)))
 
 
 def assert_memory_model_holds(pipe, optimizer, gradients: int, axes: MeshAxes) -> None:

@@ -31,6 +31,7 @@ from xpipe._batch import check_outputs
 from xpipe._batchnorm import RunningStatistics
 from xpipe._xla import to_host
 from xpipe.checkpoint import kept_cells, recompute
+from xpipe.layout import stored_shape
 from xpipe.schedule import Schedule, circular, gpipe
 from xpipe.spmd.conveyor import Layout, column_tables, from_slots, make_layout, make_tick, to_slots
 from xpipe.spmd.dropout import cell_keys, hashed_dropout
@@ -38,6 +39,7 @@ from xpipe.spmd.lowering import ShardableOps
 from xpipe.spmd.placement import Placement
 from xpipe.spmd.sides import Packing, packing_for
 from xpipe.spmd.stacking import StackedModel
+from xpipe.tensor_rules import Rules, tensor_dims
 
 SCHEDULES = ("gpipe", "circular")  # the schedules whose clock loop this executor runs
 
@@ -58,12 +60,13 @@ class SpmdPipeline(nn.Module):
     """
 
     def __init__(self, stacked: StackedModel, mesh: xs.Mesh, chunks: int, checkpoint: str,
-                 device: torch.device, keys: dict[str, tuple[str, ...]], rounds: int = 1) -> None:
+                 device: torch.device, keys: dict[str, tuple[str, ...]], rounds: int = 1,
+                 tensor_rules: Rules | None = None) -> None:
         super().__init__()
         self.mesh = mesh
         self.placement = Placement(mesh)
         self.stages = self.placement.axes.stage
-        self.replicas = self.placement.replicas  # P: devices per stage (data x fsdp)
+        self.replicas = self.placement.replicas  # P: row groups per stage (data x fsdp)
         self.chunks = chunks
         self.checkpoint = checkpoint
         self.pre = stacked.pre
@@ -79,8 +82,10 @@ class SpmdPipeline(nn.Module):
         self._template = [stacked.blocks[0]]  # kept out of the module tree: its weights are not ours
         self._block_parameters = [list(block.named_parameters()) for block in stacked.blocks]
         self._frozen = [[not p.requires_grad for _, p in named] for named in self._block_parameters]
+        named = list(stacked.blocks[0].named_parameters())
+        dims = tensor_dims([n for n, _ in named], [p.shape for _, p in named], self.placement.axes.tensor, tensor_rules)
         self.body = StackedWeights.from_blocks(stacked.blocks, self._slots(), rounds * self.depth, device,
-                                               self.placement)
+                                               self.placement, dims)
         # What every step runs: chunks rounded up to fill every stage's slots (see make_layout).
         padded = make_layout(chunks, chunks, self.stages, 1).padded_chunks
         self.schedule = gpipe(self.stages, padded) if rounds == 1 else circular(self.stages, padded, rounds)
@@ -126,8 +131,8 @@ class SpmdPipeline(nn.Module):
         fetched = iter(to_host(list(holders.values()) + [self.state_tensor(key) for key in singles]))
         stacked = {holder: next(fetched) for holder in holders}  # by id of the stacked tensor
         single = {key: next(fetched) for key in singles}
-        return {key: single[key] if place is None else stacked[id(place[0])][place[1]].view(place[2]).clone()
-                for key, place in places.items()}
+        return {key: single[key] if place is None else self.body.unstored(place[2], stacked[id(place[0])][place[1]])
+                .clone() for key, place in places.items()}
 
     def named_slices(self, parameter: torch.Tensor, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
         """The wrapped module's trainable parameters that ``parameter`` (one of
@@ -142,9 +147,8 @@ class SpmdPipeline(nn.Module):
                     index, block = source
                     stage, slot = self.body.slots[block]
                     if (stage, slot) not in self.body.frozen_slots[self.body.names[index]]:
-                        shape = self.body.shapes[index]
                         self._holders.setdefault(id(self.body.weights[index]), []).append(
-                            (key, lambda t, at=(stage, slot), shape=shape: t[at].view(shape)))
+                            (key, lambda t, at=(stage, slot), index=index: self.body.unstored(index, t[at])))
                 elif isinstance(holder := self.state_tensor(key), nn.Parameter) and id(holder) not in self._holders:
                     self._holders[id(holder)] = [(key, lambda t: t)]  # a tied weight by its first name
         return [(name, part(tensor)) for name, part in self._holders.get(id(parameter), [])]
@@ -212,7 +216,8 @@ class SpmdPipeline(nn.Module):
         keys = cell_keys(self._step_seed(slots.device), clocks, self.stages, self.replicas)
         state = self.placement.shard_batch(slots[:, 0].clone())  # idle cells run real rows (see conveyor)
         valid = self._valid_mask(slots)
-        weights = tuple(self.placement.gathered_body(w) for w in self.body.effective_weights())
+        weights = tuple(self.placement.gathered_body(w, split=dim is not None)
+                        for w, dim in zip(self.body.effective_weights(), self.body.dims))
         weights += tuple(self.placement.per_device(c) for c in constants)  # they ride along
         carry = (state, slots, valid, weights)
         plain_from = _first_kept_clock(self.schedule, self.checkpoint)
@@ -266,7 +271,8 @@ class SpmdPipeline(nn.Module):
         sides = [next(per_row) if rows else next(constants) for rows in self.side_rows]
         valid, *blocks = (self._of_round(w, round_) for w in (valid, *weights[:len(self.body.names)]))
         for slot in range(self.depth):
-            params = {name: w[slot].view(shape) for name, w, shape in zip(self.body.names, blocks, self.body.shapes)}
+            params = {name: self.body.unstored(index, w[slot]) for index, (name, w) in
+                      enumerate(zip(self.body.names, blocks))}
             with ShardableOps(), hashed_dropout(key, slot):
                 y = functional_call(self._template[0], params, (stream, *sides))
             stream = torch.where(valid[slot] > 0, y, stream)
@@ -292,35 +298,39 @@ class StackedWeights(nn.Module):
     """The body's parameters, one ``[S, K, numel]`` tensor per block parameter.
 
     Flattened because torch_xla shards tensors of at most 5 dims; ``shapes`` keeps
-    each block parameter's own shape. A block parameter that some blocks freeze
+    each block parameter's own shape, ``dims`` the dim "tensor" splits (None: none),
+    which is stored first (:func:`xpipe.layout.stored_shape`). A block parameter that some blocks freeze
     (``requires_grad=False``) and others train is held twice: the trainable
     blocks' values in the Parameter (zero where a block is frozen, so weight decay
     has nothing to shrink there) and the frozen blocks' values in a buffer; the
     loop reads each slot from the right one, so frozen blocks never change.
     """
 
-    def __init__(self, names: list[str], shapes: list[torch.Size], slots: list[tuple[int, int]]) -> None:
+    def __init__(self, names: list[str], shapes: list[torch.Size], slots: list[tuple[int, int]],
+                 dims: list[int | None]) -> None:
         super().__init__()
         self.names = names
         self.shapes = shapes
+        self.dims = dims
         self.slots = slots  # (stage, slot) of each block
         self.trainable: dict[str, torch.Tensor] = {}  # name -> [S, K, 1] bool on the device, mixed ones only
         self.frozen_slots: dict[str, set[tuple[int, int]]] = {}  # name -> (stage, slot)s it freezes
 
     @classmethod
     def from_blocks(cls, blocks: list[torch.fx.GraphModule], slots: list[tuple[int, int]], depth: int,
-                    device: torch.device, placement: Placement) -> StackedWeights:
-        """Stack ``blocks`` into ``[S, depth, numel]`` tensors, block ``i`` at ``slots[i]``."""
+                    device: torch.device, placement: Placement, dims: list[int | None]) -> StackedWeights:
+        """Stack ``blocks`` into ``[S, depth, numel]`` tensors, block ``i`` at ``slots[i]``;
+        ``dims``: per block parameter, the dim "tensor" splits, or None."""
         named = [list(block.named_parameters()) for block in blocks]
         names = [name for name, _ in named[0]]
-        module = cls(names, [p.shape for _, p in named[0]], slots)
+        module = cls(names, [p.shape for _, p in named[0]], slots, dims)
         stages = max(s for s, _ in slots) + 1
         for index, name in enumerate(names):
             values = [parameters[index][1] for parameters in named]
             grid = torch.zeros(stages, depth, values[0].numel(), dtype=values[0].dtype)
             trains = torch.zeros(stages, depth, 1, dtype=torch.bool)
             for (stage, slot), value in zip(slots, values):
-                grid[stage, slot] = value.detach().flatten()
+                grid[stage, slot] = module.stored(index, value.detach())
                 trains[stage, slot] = value.requires_grad
             module._register(name, grid, trains, [v.requires_grad for v in values], device, placement)
             module.frozen_slots[name] = {place for place, v in zip(slots, values) if not v.requires_grad}
@@ -346,20 +356,32 @@ class StackedWeights(nn.Module):
         return [torch.where(self.trainable[name], weight, getattr(self, _attribute(name) + "__frozen"))
                 if name in self.trainable else weight for name, weight in zip(self.names, self.weights)]
 
+    def stored(self, index: int, value: torch.Tensor) -> torch.Tensor:
+        """A value of block parameter ``index`` as it is stored: flat, its split dim first."""
+        dim = self.dims[index]
+        return (value if dim is None else value.movedim(dim, 0)).flatten()
+
+    def unstored(self, index: int, flat: torch.Tensor) -> torch.Tensor:
+        """``[numel] -> shape`` of block parameter ``index``: a view, so that writing into it writes the store."""
+        dim, shape = self.dims[index], self.shapes[index]
+        if dim is None:
+            return flat.view(shape)
+        return flat.view(stored_shape(tuple(shape), dim)).movedim(0, dim)
+
     def block_tensor(self, index: int, block: int) -> torch.Tensor:
         """Block ``block``'s value of parameter ``index``, a view of the tensor that holds it."""
-        holder, place, shape = self.block_place(index, block)
-        return holder[place].view(shape)
+        holder, place, index = self.block_place(index, block)
+        return self.unstored(index, holder[place])
 
-    def block_place(self, index: int, block: int) -> tuple[torch.Tensor, tuple[int, int], torch.Size]:
+    def block_place(self, index: int, block: int) -> tuple[torch.Tensor, tuple[int, int], int]:
         """Where block ``block``'s value of parameter ``index`` lives: the tensor that
-        holds it (the Parameter, or the frozen buffer), its (stage, slot), its shape."""
+        holds it (the Parameter, or the frozen buffer), its (stage, slot), and ``index``."""
         name = self.names[index]
         stage, slot = self.slots[block]
         holder = self.weights[index]
         if name in self.trainable and (stage, slot) in self.frozen_slots[name]:
             holder = getattr(self, _attribute(name) + "__frozen")
-        return holder, (stage, slot), self.shapes[index]
+        return holder, (stage, slot), index
 
     def block_grad(self, index: int, block: int) -> torch.Tensor | None:
         """The gradient of block ``block``'s parameter ``index``; ``None`` if frozen or not computed."""
@@ -367,7 +389,7 @@ class StackedWeights(nn.Module):
         weight = self.weights[index]
         if (stage, slot) in self.frozen_slots[self.names[index]] or weight.grad is None:
             return None
-        return weight.grad[stage, slot].view(self.shapes[index])
+        return self.unstored(index, weight.grad[stage, slot])
 
 
 def _attribute(name: str) -> str:

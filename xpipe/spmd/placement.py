@@ -37,8 +37,8 @@ class Placement:
 
     @property
     def replicas(self) -> int:
-        """P: devices per stage, each running its own rows of every microbatch."""
-        return self.axes.per_stage
+        """P: row groups per stage (data x fsdp), each running its own rows of every microbatch."""
+        return self.axes.row_groups
 
     def stacked_spec(self) -> Spec:
         """``[S, V * K, numel]``: see :func:`xpipe.layout.stacked_spec`."""
@@ -80,25 +80,29 @@ class Placement:
         """Shard dim 0 over the whole mesh, stage-major."""
         return self.annotated(x, (self.batch_axes, *([None] * (x.dim() - 1))))
 
-    def gathered_body(self, per_stage: torch.Tensor) -> torch.Tensor:
-        """``[S, ...] -> [S * P, ...]``: each device's own whole copy of its stage's
-        slice, made once, before the clock loop.
+    def gathered_body(self, per_stage: torch.Tensor, *, split: bool = False) -> torch.Tensor:
+        """``[S, ...] -> [S * P, ...]``: each row group's own copy of its stage's
+        slice, made once, before the clock loop: whole on each device, or with
+        ``split`` each "tensor" device's share of the last dim.
 
         From weights sharded over "fsdp" this copy is the step's one all-gather;
         its backward, after the loop, the one reduction of their gradients over
         the stage's devices, so gradients add up locally across clocks.
         """
         copies = per_stage.unsqueeze(1).expand(-1, self.replicas, *per_stage.shape[1:]).flatten(0, 1)
-        return self.shard_batch(copies)
+        spec = [self.batch_axes, *[None] * (copies.dim() - 1)]
+        if split:
+            spec[-1] = "tensor"
+        return self.annotated(copies, tuple(spec))
 
     def per_device(self, constant: torch.Tensor) -> torch.Tensor:
-        """``[...] -> [S * P, ...]``: a copy of a constant side input for every device."""
-        return self.shard_batch(constant.unsqueeze(0).expand(self.axes.devices, *constant.shape))
+        """``[...] -> [S * P, ...]``: a copy of a constant side input for every row group."""
+        return self.shard_batch(constant.unsqueeze(0).expand(self.axes.stage * self.replicas, *constant.shape))
 
     def gathered_outer(self, modules: list[nn.Module]) -> dict[nn.Module, dict[str, torch.Tensor]]:
         """Each module's parameters, by name, whole on every device for this step: each
         gathered once (a weight tied between two modules, once for both); those
-        replicated at rest (without "fsdp") as they are."""
+        replicated at rest (without "fsdp" or "tensor") as they are."""
         gathered: dict[int, torch.Tensor] = {}
         named: dict[nn.Module, dict[str, torch.Tensor]] = {}
         for module in modules:
@@ -110,6 +114,6 @@ class Placement:
         return named
 
     def _whole(self, parameter: torch.Tensor) -> torch.Tensor:
-        if self.axes.fsdp == 1:
+        if not self.axes.sharding:
             return parameter
         return xs.mark_sharding_with_gradients(parameter * 1, self.mesh, (None,) * parameter.dim())

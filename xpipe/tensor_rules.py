@@ -1,0 +1,142 @@
+"""Which dim of each block weight the "tensor" axis splits (Megatron-style tensor
+parallelism inside a stage), by parameter-name patterns.
+
+A rule maps a shell-style pattern (``fnmatch``: ``*`` also matches dots) over
+the wrapped model's parameter names to the dim that "tensor" splits, or to
+``None`` for a weight every device of a tensor group holds whole (a norm's,
+a row-parallel layer's bias). Projections that make features from the
+hidden state (q/k/v, gate/up) are split on their output features; those that
+bring them back (o, down) on their input features, so each block needs one
+reduction over "tensor" after each of those (XLA's partitioner inserts it).
+
+The built-in rules cover the families the project tests as shipped: Llama and the
+models built like it (Mistral, Qwen2), GPT-2 (whose ``Conv1D`` weights are
+``[in, out]``), BERT, T5 and torch's ``nn.TransformerEncoderLayer``. Weights
+that pack q, k and v into one matrix (GPT-2's ``c_attn``, ``nn.MultiheadAttention``'s
+``in_proj_weight``) stay whole: a contiguous split of the packed features would
+not keep each head on one device (see docs/scaling.md).
+
+Pure: no torch_xla; the spmd executor applies the rules (:mod:`xpipe.spmd.executor`).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Iterable, Mapping
+
+from torch import nn
+
+Rules = Mapping[str, int | None]
+
+_LLAMA = {
+    "*.self_attn.[qkv]_proj.weight": 0, "*.self_attn.[qkv]_proj.bias": 0,
+    "*.self_attn.o_proj.weight": 1, "*.self_attn.o_proj.bias": None,
+    "*.mlp.gate_proj.weight": 0, "*.mlp.up_proj.weight": 0, "*.mlp.gate_proj.bias": 0, "*.mlp.up_proj.bias": 0,
+    "*.mlp.down_proj.weight": 1, "*.mlp.down_proj.bias": None,
+}
+_GPT2 = {  # Conv1D: weight [in, out]
+    "*.attn.c_attn.weight": None, "*.attn.c_attn.bias": None,  # q, k, v packed
+    "*.attn.c_proj.weight": 0, "*.attn.c_proj.bias": None,
+    "*.mlp.c_fc.weight": 1, "*.mlp.c_fc.bias": 0,
+    "*.mlp.c_proj.weight": 0, "*.mlp.c_proj.bias": None,
+}
+_BERT = {
+    "*.attention.self.query.*": 0, "*.attention.self.key.*": 0, "*.attention.self.value.*": 0,
+    "*.attention.output.dense.weight": 1, "*.attention.output.dense.bias": None,
+    "*.intermediate.dense.*": 0,
+    "*.output.dense.weight": 1, "*.output.dense.bias": None,
+}
+_T5 = {
+    "*.SelfAttention.[qkv].weight": 0, "*.SelfAttention.o.weight": 1,
+    "*.EncDecAttention.[qkv].weight": 0, "*.EncDecAttention.o.weight": 1,
+    "*.relative_attention_bias.weight": 1,  # [buckets, heads]
+    "*.DenseReluDense.wi*.weight": 0, "*.DenseReluDense.wo.weight": 1,
+}
+_TORCH_ENCODER = {  # nn.TransformerEncoderLayer
+    "*.self_attn.in_proj_weight": None, "*.self_attn.in_proj_bias": None,  # q, k, v packed
+    "*.self_attn.out_proj.weight": 1, "*.self_attn.out_proj.bias": None,
+    "*.linear1.*": 0, "*.linear2.weight": 1, "*.linear2.bias": None,
+}
+_NORMS = {"*norm*.weight": None, "*norm*.bias": None, "*LayerNorm.*": None, "*.ln_[12f].*": None}
+
+BUILT_IN: dict[str, int | None] = {**_LLAMA, **_GPT2, **_BERT, **_T5, **_TORCH_ENCODER, **_NORMS}
+
+_HEAD_COUNTS = ("num_attention_heads", "num_key_value_heads", "n_head", "num_heads")
+
+
+def check_rules(rules: Rules | None) -> dict[str, int | None]:
+    """``tensor_rules`` as given to ``Pipe``, checked: patterns to a dim or ``None``.
+
+    Raises:
+        TypeError: naming ``tensor_rules`` if it is not such a mapping.
+    """
+    if rules is None:
+        return {}
+    if not isinstance(rules, Mapping) or not all(
+            isinstance(k, str) and (v is None or (isinstance(v, int) and not isinstance(v, bool) and v >= 0))
+            for k, v in rules.items()):
+        raise TypeError(f"tensor_rules: expected a dict of parameter-name patterns to the dim that 'tensor' "
+                        f"splits (an int >= 0) or None (kept whole), e.g. {{'*.q_proj.weight': 0}}; got {rules!r}")
+    return dict(rules)
+
+
+def tensor_dims(names: Iterable[str], shapes: Iterable[tuple[int, ...]], tensor: int,
+                rules: Rules | None = None) -> list[int | None]:
+    """For each block weight (its name and shape), the dim "tensor" splits, or None.
+
+    The user's ``rules`` are tried before the built-in ones; the first pattern
+    that matches a name decides. With ``tensor == 1`` nothing is split.
+
+    Raises:
+        ValueError: with ``tensor > 1``, naming the weights no rule covers, or
+            those whose split dim the tensor size does not divide (or that have no such dim).
+    """
+    names, shapes = list(names), [tuple(s) for s in shapes]
+    if tensor == 1:
+        return [None] * len(names)
+    ordered = {**check_rules(rules), **{k: v for k, v in BUILT_IN.items() if k not in (rules or {})}}
+    dims: list[int | None] = []
+    unruled, uneven = [], []
+    for name, shape in zip(names, shapes):
+        pattern = next((p for p in ordered if fnmatch.fnmatchcase(name, p)), None)
+        if pattern is None:
+            unruled.append(name)
+            dims.append(None)
+            continue
+        dim = ordered[pattern]
+        if dim is not None and (dim >= len(shape) or shape[dim] % tensor):
+            uneven.append(f"{name} {list(shape)} (dim {dim})")
+        dims.append(dim)
+    if unruled:
+        raise ValueError(f"tensor_rules: no rule says how tensor={tensor} splits the block weights {unruled}; "
+                         "give Pipe(..., tensor_rules={'<name pattern>': <dim>}) (None keeps a weight whole on "
+                         "every device of a tensor group), or use tensor=1")
+    if uneven:
+        raise ValueError(f"tensor: {tensor} does not divide the split dim of {uneven}; use a tensor size that "
+                         "divides it, or a rule of None for those weights")
+    return dims
+
+
+def check_head_counts(model: nn.Module, tensor: int) -> None:
+    """Refuse a tensor size that does not divide the model's attention heads (its
+    config's head counts, and each ``nn.MultiheadAttention``'s): a split head
+    would sit on two devices.
+
+    Raises:
+        ValueError: naming the counts that ``tensor`` does not divide.
+    """
+    if tensor == 1:
+        return
+    counts = {}
+    config = getattr(model, "config", None)
+    for field in _HEAD_COUNTS:
+        value = getattr(config, field, None)
+        if isinstance(value, int):
+            counts[f"config.{field}"] = value
+    for name, module in model.named_modules():
+        if isinstance(module, nn.MultiheadAttention):
+            counts[f"{name}.num_heads"] = module.num_heads
+    bad = {field: count for field, count in counts.items() if count % tensor}
+    if bad:
+        raise ValueError(f"tensor: {tensor} does not divide the model's attention heads {bad}; each device of a "
+                         "tensor group holds whole heads. Use a tensor size that divides them")

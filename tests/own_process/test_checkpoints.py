@@ -236,8 +236,9 @@ def test_a_load_into_another_kind_of_optimizer_changes_nothing(tmp_path):
 
 
 def test_a_checkpoint_from_the_spmd_executor_loads_here(tmp_path):
-    """Saved by an spmd Pipe on a 2 (stage) x 4 (fsdp) mesh, every weight and its AdamW
-    state sharded over both; loaded into the devices executor on 4 devices, whose next
+    """Saved by an spmd Pipe on a 2 (stage) x 2 (fsdp) x 2 (tensor) mesh, every weight
+    and its AdamW state sharded over all three (the blocks split by rules given to
+    the Pipe); loaded into the devices executor on 4 devices, whose next
     steps equal the plain model's loaded from the same checkpoint."""
     call_in_fresh_process(__file__, "save_from_spmd", str(tmp_path))
     weights = torch.load(tmp_path / "weights.pt")
@@ -271,7 +272,9 @@ def save_from_spmd(folder: str) -> None:
     """An spmd Pipe's checkpoint after one AdamW step, written in its own process
     (SPMD mode is process-global), with its weights beside it for comparison."""
     torch.manual_seed(0)
-    pipe = xpipe.Pipe(mlp_stack(blocks=8, width=16, inputs=8, outputs=4), chunks=4, mesh=xpipe.make_mesh(2, fsdp=4))
+    pipe = xpipe.Pipe(mlp_stack(blocks=8, width=16, inputs=8, outputs=4), chunks=4,
+                      mesh=xpipe.make_mesh(2, fsdp=2, tensor=2),
+                      tensor_rules={"*.up.*": 0, "*.down.weight": 1, "*.down.bias": None})
     optimizer = torch.optim.AdamW(pipe.parameters(), lr=1e-2)
     pipe(torch.randn(8, 8)).pow(2).mean().backward()
     optimizer.step()

@@ -163,14 +163,14 @@ def assert_memory_model_holds(pipe, optimizer, gradients: int, axes: MeshAxes) -
             assert measured[kind] <= 1.15 * total / axes.devices, (kind, measured[kind], total / axes.devices)
 
 
-def test_a_checkpoint_of_2_stages_x_4_fsdp_loads_into_other_layouts_and_the_plain_model(tmp_path):
-    """Saved after one AdamW step on 2 stages x 4 fsdp; loaded bit-equal into 4 stages
-    x 2 fsdp (weights and AdamW state sharded there as they would be from its own
-    first step), 2 stages x 4 data, 1 stage x 8 data and the plain model; the next
+def test_a_checkpoint_of_2_stages_x_2_fsdp_x_2_tensor_loads_into_other_layouts_and_the_plain_model(tmp_path):
+    """Saved after one AdamW step on 2 stages x 2 fsdp x 2 tensor; loaded bit-equal into
+    2 stages x 4 fsdp (weights and AdamW state sharded there as they would be from its
+    own first step), 2 stages x 4 data, 1 stage x 8 data and the plain model; the next
     two steps' losses are the plain model's on each. (The devices executor loads the same
     kind of checkpoint in ``tests/own_process/test_checkpoints.py``.)"""
     inputs = inputs_of("llama")
-    pipe, reference = build("llama", stages=2, fsdp=4)
+    pipe, reference = build("llama", stages=2, fsdp=2, tensor=2)
     optimizer = torch.optim.AdamW(pipe.parameters(), lr=1e-2)
     pipe(**inputs).loss.backward()
     optimizer.step()
@@ -182,7 +182,7 @@ def test_a_checkpoint_of_2_stages_x_4_fsdp_loads_into_other_layouts_and_the_plai
     plain = reference
     plain_optimizer = torch.optim.AdamW(plain.parameters(), lr=1e-2)
     targets = [(plain, plain_optimizer)]
-    for options in (dict(stages=4, fsdp=2), dict(stages=2, data=4, fsdp=1), dict(stages=1, data=8, fsdp=1)):
+    for options in (dict(stages=2, fsdp=4), dict(stages=2, data=4, fsdp=1), dict(stages=1, data=8, fsdp=1)):
         other, _ = build("llama", **options)
         targets.append((other, torch.optim.AdamW(other.parameters(), lr=1e-2)))
     assert_loads_exactly(tmp_path / "ckpt", saved, *targets)

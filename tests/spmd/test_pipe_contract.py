@@ -117,14 +117,16 @@ def dropout_model(p: float, blocks: int = 4, width: int = 64) -> nn.Sequential:
                          identity_linear(width))
 
 
-@pytest.mark.parametrize("fsdp", [1, 4])
-def test_dropout_in_the_body_drops_at_its_rate_with_a_new_mask_per_row(mesh, fsdp):
+@pytest.mark.parametrize("fsdp, tensor", [(1, 1), (4, 1), (2, 2)])
+def test_dropout_in_the_body_drops_at_its_rate_with_a_new_mask_per_row(mesh, fsdp, tensor):
     """Four blocks of p = 0.1: an element survives with (1 - p)^4. Every row is the same
     input, in another microbatch, replica (or fsdp shard) or position, so equal masks
-    would show as equal rows."""
+    would show as equal rows. With "tensor" the blocks' linear layers are split on
+    their outputs, so each block drops from an activation split over the tensor group."""
     p, blocks, rows, width = 0.1, 4, 256, 64
     pipe = xpipe.Pipe(dropout_model(p, blocks, width), chunks=8,
-                      mesh=mesh if fsdp == 1 else xpipe.make_mesh(2, fsdp=fsdp))
+                      mesh=mesh if fsdp == tensor == 1 else xpipe.make_mesh(2, fsdp=fsdp, tensor=tensor),
+                      tensor_rules={"*.linear.*": 0})
     torch.manual_seed(1)
     with torch.no_grad():
         survived = pipe(torch.ones(rows, width)).cpu() != 0

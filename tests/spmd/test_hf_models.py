@@ -36,7 +36,7 @@ def test_llama_with_a_padding_mask(stages, data, layers):
     assert state["lm_head.weight"] is state["model.embed_tokens.weight"], "the tie stays a tie"
 
 
-@pytest.mark.parametrize("stages, data, layers", MESHES)
+@pytest.mark.parametrize("stages, data, layers", MESHES[:1])  # Llama runs both meshes
 def test_gpt2_with_labels_returns_the_models_own_loss(stages, data, layers):
     model = gpt2(layers, dropout=0.0)
     reference = copy.deepcopy(model)

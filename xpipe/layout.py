@@ -64,13 +64,6 @@ def stacked_spec(axes: MeshAxes) -> Spec:
     return ("stage", None, (sharding[0] if len(sharding) == 1 else sharding) if sharding else None)
 
 
-def stepping_spec(batch_axes: tuple[str, ...], split: bool) -> Spec:
-    """A block weight as a step runs it, one copy per row group ``[S * P, V * K, numel]``:
-    its stage's slice whole on every device, or, where "tensor" splits it, each
-    tensor device's own slice."""
-    return (batch_axes, None, "tensor" if split else None)
-
-
 def stored_shape(shape: tuple[int, ...], dim: int | None) -> tuple[int, ...]:
     """The shape a block weight is stored in (before flattening): its tensor-split
     dim ``dim`` moved first, so that slices of that dim are contiguous."""

@@ -1,5 +1,5 @@
-"""``tools/bench.py`` cannot rot: its smallest configuration runs one step per row, and
-every engine's loss equals the unpipelined eager model's."""
+"""``tools/bench.py`` cannot rot: its smallest configuration runs one step of every
+engine (one schedule each), and every engine's loss equals the unpipelined eager model's."""
 
 import json
 import subprocess
@@ -15,9 +15,7 @@ def test_the_benchmark_runs_every_row_and_every_engine_computes_the_same_loss(tm
     rows = json.loads((tmp_path / "bench.json").read_text())["rows"]
     engines = {(row["engine"], row["schedule"]) for row in rows}
     assert engines == {("torchgpipe", "gpipe"), ("eager", "-"), ("xla", "-"), ("spmd-dp", "-"),
-                       *(("xpipe-spmd", name) for name in ("gpipe", "circular")),
-                       *(("xpipe-devices", name) for name in ("gpipe", "1f1b", "zb-h1", "interleaved", "circular")),
-                       *(("pippy", name) for name in ("gpipe", "1f1b", "interleaved"))}
+                       ("xpipe-spmd", "gpipe"), ("xpipe-devices", "1f1b"), ("pippy", "1f1b")}
     for row in rows:
         assert row["median_s"] > 0 and row["first_step_s"] > 0 and row["overhead"] > 0, row
         assert row["loss_matches"], row

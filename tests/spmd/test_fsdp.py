@@ -35,12 +35,12 @@ MESHES = {"2 stages x 4 fsdp": dict(stages=2, fsdp=4), "4 stages x 2 fsdp": dict
           "1 stage x 4 fsdp x 2 tensor": dict(stages=1, fsdp=4, tensor=2)}
 CIRCULAR = {"circular, 2 rounds on 2 stages x 2 fsdp x 2 tensor": dict(stages=2, fsdp=2, tensor=2,
                                                                       schedule="circular", virtual=2)}
-# Llama on every mesh but 4 x 2 fsdp (GPT-2's), circular on the tensor mesh (which has fsdp too);
-# GPT-2 and the encoder stack where they differ from Llama: packed q/k/v, Conv1D, LayerNorm.
-CASES = [("llama", mesh) for mesh in MESHES if mesh != "4 stages x 2 fsdp"] + [
-    ("llama", "circular, 2 rounds on 2 stages x 2 fsdp x 2 tensor"),
-    ("gpt2", "4 stages x 2 fsdp"), ("gpt2", "2 stages x 2 fsdp x 2 tensor"),
-    ("encoder", "2 stages x 2 fsdp x 2 tensor")]
+TENSOR_MESHES = [mesh for mesh in MESHES if "tensor" in mesh]
+# Every family on every tensor mesh (packed q/k/v, Conv1D and LayerNorm differ from Llama's
+# blocks); Llama also on the fsdp-only meshes but 4 x 2 fsdp (GPT-2's), and circular.
+CASES = [(family, mesh) for family in ("llama", "gpt2", "encoder") for mesh in TENSOR_MESHES] + [
+    ("llama", "2 stages x 4 fsdp"), ("llama", "2 stages x 2 data x 2 fsdp"), ("gpt2", "4 stages x 2 fsdp"),
+    ("llama", "circular, 2 rounds on 2 stages x 2 fsdp x 2 tensor")]
 
 
 def inputs_of(family: str) -> dict[str, torch.Tensor]:

@@ -3,15 +3,17 @@
     plan = xpipe.partition(model, stages=4, sample_input=batch, cost="flops")
     pipe = xpipe.Pipe(model, chunks=8, mesh=xpipe.make_mesh(stages=4))
     xpipe.save("run/ckpt", pipe, optimizer, step=step)
+    layouts = xpipe.plan(model, devices=256, batch=32, chip="v5e", sample_input=batch)
 """
 
 from xpipe._xla import start_runtime_before_first_backward
 from xpipe.graph import module_graph
 from xpipe.partition import Partition, partition
+from xpipe.planner import plan
 
 start_runtime_before_first_backward()
 
-__all__ = ["Partition", "Pipe", "load", "make_mesh", "module_graph", "partition", "save"]
+__all__ = ["Partition", "Pipe", "load", "make_mesh", "module_graph", "partition", "plan", "save"]
 
 
 def __getattr__(name: str):

@@ -194,7 +194,7 @@ def rebalanced(plan: Partition, balance: Sequence[int]) -> Partition:
 def _split(graph: nx.DiGraph, stages: int, cost: str, balance: Sequence[int] | None) -> Partition:
     names = layer_names(graph)
     layer_costs = [float(layer_cost(graph.nodes[name], cost)) for name in names]
-    entry = _entry_bytes(graph) if cost == "memory" else None
+    entry = entry_bytes(graph) if cost == "memory" else None
     if balance is None:
         balance = balance_by_cost(layer_costs, stages, entry_costs=entry)
     else:
@@ -268,7 +268,7 @@ def _tensor_bytes(graph: nx.DiGraph) -> dict[str, int]:
     return {t["name"]: t["bytes"] for _, _, e in graph.edges(data=True) for t in e["tensors"]}
 
 
-def _entry_bytes(graph: nx.DiGraph) -> list[float]:
+def entry_bytes(graph: nx.DiGraph) -> list[float]:
     """Bytes of the tensors that cross the cut in front of each layer (inputs at layer 0)."""
     position = _positions(graph)
     sizes = _tensor_bytes(graph)

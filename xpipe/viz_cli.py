@@ -67,8 +67,8 @@ def _plan(arguments: argparse.Namespace) -> Partition:
         raise ValueError("factory: give PACKAGE.MODULE:FUNCTION, or --partition plan.json")
     if arguments.stages is None:
         raise ValueError("--stages: how many stages to split the model into")
-    model = _load_factory(arguments.factory)
-    sample = _sample_input(model, arguments.input_shape, arguments.input_dtype)
+    model = load_factory(arguments.factory)
+    sample = sample_input_of(model, arguments.input_shape, arguments.input_dtype)
     try:
         return partition(model, arguments.stages, sample_input=sample, cost=arguments.cost)
     except ValueError as error:  # said in the API's words (sample_input=): say it in the command's
@@ -91,7 +91,8 @@ def _read_plan(path: Path) -> Partition:
                          f"({type(error).__name__}: {error}); write one with xpipe.partition(...).to_json()") from error
 
 
-def _load_factory(spec: str) -> nn.Module:
+def load_factory(spec: str) -> nn.Module:
+    """The model that ``PACKAGE.MODULE:FUNCTION`` returns (also ``xpipe-plan``'s)."""
     module_name, _, function = spec.partition(":")
     if not module_name or not function:
         raise ValueError(f"factory: {spec!r} is not PACKAGE.MODULE:FUNCTION")
@@ -112,7 +113,8 @@ def _load_factory(spec: str) -> nn.Module:
     return model
 
 
-def _sample_input(model: nn.Module, shape: str | None, dtype: str) -> torch.Tensor | None:
+def sample_input_of(model: nn.Module, shape: str | None, dtype: str) -> torch.Tensor | None:
+    """A zero batch of ``shape`` ("8,128"), of token ids when the model starts with an embedding."""
     if shape is None:
         return None
     try:

@@ -1,0 +1,119 @@
+"""``xpipe.plan`` and ``xpipe-plan``: the layouts that fit, their predicted bytes, bubble
+and time, and one clear line for bad input. (The predicted bytes against the bytes
+measured on emulated devices: ``tests/spmd/test_fsdp.py``.)"""
+
+import math
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+from hf_models import llama, tokens
+from transformers import LlamaConfig
+
+import xpipe
+from xpipe.layout import MeshAxes
+from xpipe.memory import per_device
+from xpipe.plan_cli import main
+from xpipe.planner import GiB, Layout, predict, preset
+from xpipe.profile import profile_of_config, profile_of_model
+from xpipe.schedule import gpipe
+
+SMALL = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=True)
+
+
+def test_a_config_built_on_the_meta_device_has_the_captured_models_weights():
+    captured = profile_of_model(llama(4), {"input_ids": tokens(2, 8)})
+    configured = profile_of_config(LlamaConfig(**SMALL), seq=8, itemsize=4)
+    assert configured.blocks == captured.blocks == 4
+    assert configured.block_weights == captured.block_weights
+    assert sorted(configured.outer_weights) == sorted(captured.outer_weights) == [(32,), (128, 32)], "tied: once"
+    assert configured.parameters == captured.parameters == sum(p.numel() for p in llama(4).parameters())
+    assert configured.heads == captured.heads == (2, 4)
+    # The config's estimates of one block, against what torch measured on the same block
+    # (FLOPs: torch's counter; saved bytes: the graph's, which also holds the block's weights).
+    assert configured.block_flops_per_row == pytest.approx(captured.block_flops_per_row, rel=0.25)
+    assert configured.stream_bytes_per_row == 8 * 32 * 4
+
+
+def test_a_layouts_weights_are_the_memory_models_and_its_bubble_the_schedules_table():
+    profile = profile_of_model(llama(4), {"input_ids": tokens(2, 8)})
+    layout = Layout(stages=2, data=1, fsdp=2, tensor=2, chunks=4)
+    prediction = predict(profile, layout, chip=preset("v5e"), batch=16)
+    stacked = [(2, 2, math.prod(shape)) for _, shape in profile.block_weights]
+    split = [name.endswith("_proj.weight") for name, _ in profile.block_weights]  # Llama's rules: norms whole
+    model = per_device(stacked=stacked, outer=profile.outer_weights, axes=MeshAxes(2, 1, 2, 2), split=split)
+    assert {k: prediction.memory[k] for k in ("parameters", "gradients", "optimizer", "gathered")} == {
+        "parameters": model.parameters, "gradients": model.gradients, "optimizer": model.optimizer,
+        "gathered": model.gathered}
+    assert prediction.bubble == gpipe(2, 4).bubble_fraction
+    assert prediction.communication["stage"] > 0 and prediction.communication["tensor"] > 0
+    assert prediction.communication["data"] == 0, "no data axis, nothing reduced over it"
+
+
+def test_the_plans_ranking_of_chunk_counts_by_bubble_is_the_schedules_tables():
+    profile = profile_of_model(llama(4), {"input_ids": tokens(2, 8)})
+    chunk_counts = [1, 2, 4, 8, 16, 32]
+    bubbles = {m: predict(profile, Layout(4, 2, 1, 1, m), chip=preset("v4"), batch=64).bubble for m in chunk_counts}
+    tables = {m: gpipe(4, -(-m // 4) * 4).bubble_fraction for m in chunk_counts}
+    assert sorted(chunk_counts, key=bubbles.get) == sorted(chunk_counts, key=tables.get)
+    assert bubbles == tables
+
+
+def test_llama3_70b_on_256_chips_of_16_gib_fits_and_pure_pipeline_parallelism_is_refused(capsys):
+    assert main(["llama3-70b", "--devices", "256", "--chip", "v5e", "--batch", "32", "--seq", "2048"]) == 0
+    out = capsys.readouterr().out
+    listed = [line for line in out.splitlines() if re.match(r"\s+\d+\s+\d+\s", line)]  # index, stages, ...
+    assert listed, out
+    for line in listed:
+        assert float(line.split("(")[0].split()[-1]) <= 16.0, line  # GiB per device, before its parts
+    refusal = next(line for line in out.splitlines() if line.startswith("pure pipeline parallelism"))
+    assert "GiB per device" in refusal and "over 16.00 GiB" in refusal
+
+
+def test_planning_a_405b_model_allocates_nothing():
+    """Built on the meta device: the planner's process stays far below the model's 810 GB."""
+    script = ("import resource, sys; from xpipe.plan_cli import main; main(['llama3-405b', '--devices', '1024', "
+              "'--chip', 'v5p', '--batch', '1024']); print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, check=True)
+    peak_kib = int(done.stdout.split()[-1])
+    assert peak_kib < 3 * (1 << 20), f"{peak_kib / (1 << 20):.1f} GiB resident"
+    assert "layouts fit" in done.stdout
+
+
+@pytest.mark.parametrize(("arguments", "message"), [
+    (["--chip", "v9"], "chip: 'v9' is not a preset"),
+    (["--memory", "0GiB"], "--memory: '0GiB' is no memory at all"),
+    (["--memory", "lots"], "--memory: 'lots' is not a size"),
+    (["--memory", "1GiB"], "fits nowhere on 256 x TPU v5e"),
+    (["--devices", "0"], "devices: expected a whole number of at least 1"),
+])
+def test_bad_input_gets_one_line_and_status_2(capsys, arguments, message):
+    options = {"--devices": "256", "--batch": "32", "--chip": "v5e"}
+    options.update(dict(zip(arguments[::2], arguments[1::2])))
+    with pytest.raises(SystemExit) as exit_:
+        main(["llama3-8b", *(item for pair in options.items() for item in pair)])
+    assert exit_.value.code == 2
+    captured = capsys.readouterr()
+    assert captured.err.count("\n") == 1 and captured.err.startswith("xpipe-plan: error: "), captured.err
+    assert message in captured.err, captured.err
+
+
+def test_the_plan_as_a_picture(tmp_path, capsys):
+    assert main(["llama3-8b", "--devices", "32", "--chip", "v5e", "--batch", "64", "--plot",
+                 str(tmp_path / "plan.png")]) == 0
+    assert (tmp_path / "plan.png").stat().st_size > 10_000
+
+
+def test_the_python_api_names_what_is_missing():
+    with pytest.raises(ValueError, match="sample_input"):
+        xpipe.plan(llama(2), devices=8, batch=16)
+    with pytest.raises(ValueError, match="chip: 'tpu' is not a preset"):
+        xpipe.plan(LlamaConfig(**SMALL), devices=8, batch=16, chip="tpu")
+    result = xpipe.plan(llama(4), devices=8, batch=16, sample_input={"input_ids": tokens(2, 8)},
+                        memory_per_device=GiB)
+    assert result.fitting and all(p.bytes <= GiB for p in result.fitting)
+    assert [p.step_seconds for p in result.fitting] == sorted(p.step_seconds for p in result.fitting)
+    assert torch.get_default_device().type == "cpu", "the meta device is not left as the default"

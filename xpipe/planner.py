@@ -1,0 +1,366 @@
+"""Which layout fits a model on a given set of chips, and how fast it should run.
+
+``xpipe.plan`` enumerates the spmd executor's layouts (stages x data x fsdp x
+tensor, chunks, schedule, rounds, checkpoint policy) and predicts for each, per
+device: the bytes by kind (the memory model of :mod:`xpipe.memory` for the
+weights, gradients, optimizer state and the step's gathered copies; the
+activations from the schedule's own table and the model's profile), the
+bubble (the schedule's table), the bytes each mesh axis moves per step, and a
+step time at the chip's stated peak figures. Nothing is built on a device:
+the plan is arithmetic over a :class:`xpipe.profile.ModelProfile`.
+
+The prediction's terms, and where they are approximate, are in docs/planning.md.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import nn
+
+from xpipe.checkpoint import MODES, kept_cells
+from xpipe.layout import MeshAxes
+from xpipe.memory import per_device
+from xpipe.profile import ModelProfile, profile_of_config, profile_of_model
+from xpipe.schedule import Schedule, circular, gpipe
+from xpipe.tensor_rules import Rules, tensor_dims
+
+GiB = 1 << 30
+KINDS = ("parameters", "gradients", "optimizer", "gathered", "activations")
+
+
+@dataclass(frozen=True)
+class Chip:
+    """One accelerator chip's public figures: what a step time is predicted from."""
+
+    name: str
+    flops: float  # peak bfloat16 FLOP/s
+    memory: int  # HBM bytes
+    hbm_bandwidth: float  # bytes/s
+    ici_bandwidth: float  # bytes/s per chip to its slice neighbours, both directions
+    dcn_bandwidth: float | None  # bytes/s per chip between slices, where published
+    source: str
+
+
+PRESETS = {
+    "v4": Chip("TPU v4", 275e12, 32 * GiB, 1200e9, 300e9, None,
+               "cloud.google.com/tpu/docs/v4 (its table gives no ICI figure: 300 GB/s assumed)"),
+    "v5e": Chip("TPU v5e", 197e12, 16 * GiB, 819e9, 400e9, 200e9 / 8 / 8,
+                "cloud.google.com/tpu/docs/v5e (DCN: 2 x 100 Gbps per host of 8 chips)"),
+    "v5p": Chip("TPU v5p", 459e12, 95 * GiB, 2765e9, 1200e9, 50e9 / 8, "cloud.google.com/tpu/docs/v5p"),
+    "v6e": Chip("TPU v6e", 918e12, 32 * GiB, 1638e9, 800e9, None, "cloud.google.com/tpu/docs/v6e"),
+}
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One way to run the model: the mesh, the microbatches and the schedule."""
+
+    stages: int
+    data: int
+    fsdp: int
+    tensor: int
+    chunks: int
+    schedule: str = "gpipe"  # or "circular"
+    virtual: int = 1  # rounds of the ring (circular)
+    checkpoint: str = "except_last"
+
+    @property
+    def axes(self) -> MeshAxes:
+        return MeshAxes(self.stages, self.data, self.fsdp, self.tensor)
+
+    @property
+    def pure_pipeline(self) -> bool:
+        """Nothing sharded inside a stage: stages, and data replicas of them."""
+        return self.fsdp == 1 and self.tensor == 1
+
+    def __str__(self) -> str:
+        schedule = self.schedule if self.virtual == 1 else f"{self.schedule} x{self.virtual}"
+        return (f"{self.stages} stage x {self.data} data x {self.fsdp} fsdp x {self.tensor} tensor, "
+                f"{schedule}, chunks {self.chunks}, checkpoint {self.checkpoint}")
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """What a layout should cost on one device (the busiest) and how long its step should take."""
+
+    layout: Layout
+    memory: dict[str, int]  # bytes by kind (KINDS)
+    bubble: float  # idle share of the schedule's cells
+    communication: dict[str, float]  # bytes one device sends per step, by mesh axis
+    seconds: dict[str, float]  # the step's time by part, at the chip's peak figures
+    capacity: int
+
+    @property
+    def bytes(self) -> int:
+        """Everything one device holds at the step's peak."""
+        return sum(self.memory.values())
+
+    @property
+    def fits(self) -> bool:
+        return self.bytes <= self.capacity
+
+    @property
+    def step_seconds(self) -> float:
+        """A lower bound: peak FLOP/s and link bandwidth, no overlap of communication with compute."""
+        return sum(self.seconds.values())
+
+    def describe_memory(self) -> str:
+        parts = ", ".join(f"{kind} {self.memory[kind] / GiB:.2f}" for kind in KINDS)
+        return f"{self.bytes / GiB:.2f} GiB per device ({parts})"
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The layouts that fit (fastest first) and those that do not (smallest first)."""
+
+    profile: ModelProfile
+    chip: Chip
+    devices: int
+    batch: int
+    capacity: int  # bytes a device may hold
+    fitting: list[Prediction] = field(repr=False)
+    refused: list[Prediction] = field(repr=False)
+
+    def least_memory(self, where: Callable[[Layout], bool] = lambda layout: True) -> Prediction | None:
+        """Of the layouts ``where`` accepts, the one that needs the least memory."""
+        chosen = [p for p in self.fitting + self.refused if where(p.layout)]
+        return min(chosen, key=lambda p: p.bytes, default=None)
+
+
+def preset(name: str) -> Chip:
+    """The chip called ``name`` (``"v4"``, ``"v5e"``, ``"v5p"``, ``"v6e"``)."""
+    try:
+        return PRESETS[name.lower()]
+    except KeyError:
+        raise ValueError(f"chip: {name!r} is not a preset; use one of {', '.join(PRESETS)}") from None
+
+
+def plan(model: nn.Module | ModelProfile | Any, *, devices: int, batch: int, chip: str | Chip = "v5e",
+         memory_per_device: int | None = None, sample_input: Any = None, seq: int = 2048,
+         itemsize: int | None = None, optimizer_states: int = 2,
+         checkpoints: tuple[str, ...] = ("except_last", "always"), max_tensor: int = 8,
+         tensor_rules: Rules | None = None, slices: int = 1) -> Plan:
+    """Every layout of ``model`` on ``devices`` chips for a global batch of ``batch``
+    rows, predicted; those within ``memory_per_device`` (the chip's HBM by default)
+    best first.
+
+    Args:
+        model: an ``nn.Module`` (with ``sample_input``), a Hugging Face config (the
+            model is built on the meta device, at sequence length ``seq``), or a
+            :class:`xpipe.profile.ModelProfile`.
+        devices: chips in all.
+        batch: rows of the global batch (sequences, for a language model).
+        chip: a preset's name or a :class:`Chip`.
+        memory_per_device: bytes a device may hold.
+        sample_input: a few rows of the batch, as ``Pipe``'s, for an ``nn.Module``.
+        seq: the sequence length, for a config.
+        itemsize: bytes per element of the weights, their gradients and activations;
+            the model's own dtype by default (bfloat16, 2, for a config). The
+            optimizer's state is kept in the same dtype, as torch's optimizers keep it.
+        optimizer_states: tensors the optimizer keeps per weight (AdamW 2).
+        checkpoints: the recomputation policies to consider.
+        max_tensor: the largest tensor size (tensor groups stay within a host's chips).
+        tensor_rules: as ``Pipe``'s, for the block weights' split dims.
+        slices: TPU slices; the stage axis crosses them (DCN), the others stay inside.
+
+    Raises:
+        ValueError: naming the argument, for a bad count, size, chip or policy.
+    """
+    chip = preset(chip) if isinstance(chip, str) else chip
+    capacity = chip.memory if memory_per_device is None else memory_per_device
+    _check(devices=devices, batch=batch, capacity=capacity, slices=slices)
+    profile = _profile(model, sample_input, seq)
+    itemsize = profile.itemsize if itemsize is None else itemsize
+    if itemsize not in (1, 2, 4, 8):
+        raise ValueError(f"itemsize: {itemsize!r} is not a dtype's size in bytes; use 2 (bfloat16) or 4 (float32)")
+    bad = [mode for mode in checkpoints if mode not in MODES]
+    if bad or not checkpoints:
+        raise ValueError(f"checkpoints: {bad or 'none'} given; use some of {', '.join(MODES)}")
+    if slices > 1 and chip.dcn_bandwidth is None:
+        raise ValueError(f"slices: {chip.name} has no published DCN bandwidth; give a Chip with dcn_bandwidth")
+    profile = profile.scaled(itemsize)
+    predictions = [predict(profile, layout, chip=chip, batch=batch, capacity=capacity, itemsize=itemsize,
+                           optimizer_states=optimizer_states, tensor_rules=tensor_rules, slices=slices)
+                   for layout in layouts(profile, devices, batch, checkpoints, max_tensor, tensor_rules, slices)]
+    fitting = sorted((p for p in predictions if p.fits), key=lambda p: (p.step_seconds, p.bytes))
+    refused = sorted((p for p in predictions if not p.fits), key=lambda p: p.bytes)
+    return Plan(profile, chip, devices, batch, capacity, fitting, refused)
+
+
+def _profile(model: nn.Module | ModelProfile | Any, sample_input: Any, seq: int) -> ModelProfile:
+    """The profile of whatever ``plan`` was given."""
+    if isinstance(model, ModelProfile):
+        return model
+    if isinstance(model, nn.Module):
+        if sample_input is None:
+            raise ValueError("sample_input: plan needs a few rows of the batch to profile an nn.Module, "
+                             "as Pipe's sample_input")
+        return profile_of_model(model, sample_input)
+    if hasattr(model, "to_dict") and hasattr(model, "model_type"):  # a transformers PretrainedConfig
+        return profile_of_config(model, seq)
+    raise ValueError(f"model: expected an nn.Module, a Hugging Face config or a ModelProfile, got "
+                     f"{type(model).__name__}")
+
+
+def _check(*, devices: int, batch: int, capacity: int, slices: int) -> None:
+    for name, value in (("devices", devices), ("batch", batch), ("memory_per_device", capacity),
+                        ("slices", slices)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name}: expected a whole number of at least 1, got {value!r}")
+    if devices % slices:
+        raise ValueError(f"slices: {slices} slices do not divide the {devices} devices")
+
+
+def layouts(profile: ModelProfile, devices: int, batch: int, checkpoints: tuple[str, ...] = ("except_last",),
+            max_tensor: int = 8, tensor_rules: Rules | None = None, slices: int = 1) -> Iterator[Layout]:
+    """The layouts the spmd executor can run: stages that hold a block each and that the
+    slices divide, tensor sizes the heads and split weights allow, and chunk counts
+    (see :func:`_chunk_counts`) whose microbatches split evenly over the row groups."""
+    names, shapes = zip(*profile.block_weights)
+    for stages in _divisors(devices):
+        if stages > profile.blocks or stages % slices:
+            continue
+        for tensor in _divisors(devices // stages):
+            if tensor > max_tensor or any(count % tensor for count in profile.heads):
+                continue
+            try:
+                tensor_dims(names, shapes, tensor, tensor_rules)
+            except ValueError:
+                continue
+            for fsdp in _divisors(devices // (stages * tensor)):
+                data = devices // (stages * tensor * fsdp)
+                for chunks in _chunk_counts(stages):
+                    if batch % (chunks * data * fsdp):
+                        continue
+                    for schedule, virtual in _schedules(profile.blocks, stages):
+                        for checkpoint in checkpoints:
+                            yield Layout(stages, data, fsdp, tensor, chunks, schedule, virtual, checkpoint)
+
+
+def _chunk_counts(stages: int) -> list[int]:
+    """1 to 8 microbatches per stage, and fewer microbatches than stages (which the spmd
+    executor pads with idle ones) for batches too small to give every stage one."""
+    return sorted({*_divisors(stages), *(stages * k for k in (2, 4, 8))})
+
+
+def _schedules(blocks: int, stages: int) -> list[tuple[str, int]]:
+    """GPipe, and circular with 2 and 4 rounds where every model stage holds a block."""
+    return [("gpipe", 1)] + [("circular", v) for v in (2, 4) if stages > 1 and blocks >= stages * v]
+
+
+def predict(profile: ModelProfile, layout: Layout, *, chip: Chip, batch: int, capacity: int | None = None,
+            itemsize: int | None = None, optimizer_states: int = 2, tensor_rules: Rules | None = None,
+            slices: int = 1) -> Prediction:
+    """One layout's bytes per device, bubble, communication and step time (see :func:`plan`)."""
+    itemsize = profile.itemsize if itemsize is None else itemsize
+    profile = profile.scaled(itemsize)
+    axes = layout.axes
+    schedule = _schedule(layout.schedule, layout.stages, _padded(layout.chunks, layout.stages), layout.virtual)
+    depth = -(-profile.blocks // (layout.stages * layout.virtual))  # block slots per model stage
+    names, shapes = zip(*profile.block_weights)
+    split = [dim is not None for dim in tensor_dims(names, shapes, layout.tensor, tensor_rules)]
+    stacked = [(layout.stages, layout.virtual * depth, math.prod(shape)) for shape in shapes]
+    weights = per_device(stacked=stacked, outer=profile.outer_weights, axes=axes, split=split, itemsize=itemsize,
+                         optimizer_states=optimizer_states)
+    rows = max(1, -(-batch // (layout.chunks * axes.row_groups)))  # of one microbatch, on one device
+    activations = _activation_bytes(profile, layout, schedule, depth, rows, batch)
+    memory = {"parameters": weights.parameters, "gradients": weights.gradients, "optimizer": weights.optimizer,
+              "gathered": weights.gathered, "activations": activations}
+    communication = _communication(profile, layout, schedule, depth, rows, itemsize, split, stacked)
+    seconds = _seconds(profile, layout, schedule, depth, rows, batch, chip, communication, weights.resting, slices)
+    return Prediction(layout, memory, schedule.bubble_fraction, communication, seconds,
+                      chip.memory if capacity is None else capacity)
+
+
+def _activation_bytes(profile: ModelProfile, layout: Layout, schedule: Schedule, depth: int, rows: int,
+                      batch: int) -> int:
+    """The busiest device's activations at the step's peak: the conveyor's slot buffer and
+    stage state, the inputs of the cells that recompute, everything the kept cells save, one
+    recomputed cell's working set, and the layers around the body on the device's rows."""
+    stream = rows * profile.stream_bytes_per_row
+    cell = depth * rows * profile.block_saved_bytes_per_row / layout.tensor  # one stage's blocks, one microbatch
+    slots = -(-layout.chunks // layout.stages)
+    cells = schedule.chunks * layout.virtual  # per rank
+    busiest = 0
+    for keeps in _kept_per_rank(schedule, layout.checkpoint):
+        recomputing = cells - keeps
+        busiest = max(busiest, recomputing * stream + keeps * cell + (cell if recomputing else 0))
+    outer_rows = -(-batch // (layout.stages * layout.data * layout.fsdp))
+    return int((slots + 1) * stream + busiest + outer_rows * profile.outer_saved_bytes_per_row)
+
+
+def _communication(profile: ModelProfile, layout: Layout, schedule: Schedule, depth: int, rows: int,
+                   itemsize: int, split: list[bool], stacked: list[tuple[int, int, int]]) -> dict[str, float]:
+    """Bytes one device sends per step along each axis (ring collectives)."""
+    axes = layout.axes
+    stage_weights = sum(slots * n // (layout.tensor if cut else 1) for (_, slots, n), cut in zip(stacked, split))
+    gathered = (stage_weights + sum(math.prod(shape) for shape in profile.outer_weights)) * itemsize
+    cells = schedule.chunks * layout.virtual
+    tensor_reductions = cells * depth * (4 + 2 * _recomputes(schedule, layout.checkpoint))  # Megatron: 2 + 2 a block
+    hidden = rows * profile.stream_bytes_per_row
+    return {
+        "stage": schedule.clocks * hidden if axes.stage > 1 else 0.0,
+        "fsdp": 2 * _ring(axes.fsdp) * gathered,  # all-gather of the weights, reduce-scatter of their gradients
+        "data": 2 * _ring(axes.data) * gathered / axes.fsdp,  # all-reduce of the fsdp-sharded gradients
+        "tensor": tensor_reductions * 2 * _ring(axes.tensor) * hidden,
+    }
+
+
+def _seconds(profile: ModelProfile, layout: Layout, schedule: Schedule, depth: int, rows: int, batch: int,
+             chip: Chip, communication: dict[str, float], resting: int, slices: int) -> dict[str, float]:
+    """The step's time by part at the chip's peak: the body's cells stretched by the
+    bubble, the layers around it, each axis's bytes at its link's bandwidth, and the
+    optimizer's pass over the resting state at HBM bandwidth."""
+    passes = 3 + _recomputes(schedule, layout.checkpoint)  # forward, backward (twice the forward), recomputation
+    body_flops = passes * schedule.chunks * layout.virtual * depth * rows * profile.block_flops_per_row
+    body = body_flops / layout.tensor / chip.flops / (1 - schedule.bubble_fraction)
+    outer_rows = -(-batch // (layout.stages * layout.data * layout.fsdp))
+    outer = 3 * outer_rows * profile.outer_flops_per_row / chip.flops
+    stage_link = chip.dcn_bandwidth if slices > 1 else chip.ici_bandwidth
+    return {"compute": body + outer,
+            "stage": communication["stage"] / stage_link,
+            **{axis: communication[axis] / chip.ici_bandwidth for axis in ("fsdp", "data", "tensor")},
+            "optimizer": 2 * resting / chip.hbm_bandwidth}
+
+
+def _ring(size: int) -> float:
+    """The share of a ring collective's buffer that each of ``size`` devices sends."""
+    return (size - 1) / size
+
+
+def _kept_per_rank(schedule: Schedule, checkpoint: str) -> tuple[int, ...]:
+    """Per rank, the cells whose forward keeps its activations (:func:`xpipe.checkpoint.kept_cells`)."""
+    return _kept_counts(schedule.name, schedule.stages, schedule.chunks, schedule.virtual, checkpoint)
+
+
+@functools.cache
+def _kept_counts(name: str, stages: int, chunks: int, virtual: int, checkpoint: str) -> tuple[int, ...]:
+    schedule = _schedule(name, stages, chunks, virtual)
+    counts = [0] * stages
+    for stage, _ in kept_cells(schedule, checkpoint):
+        counts[schedule.rank_of(stage)] += 1
+    return tuple(counts)
+
+
+def _recomputes(schedule: Schedule, checkpoint: str) -> bool:
+    """Whether some cell runs its forward again in the backward."""
+    return sum(_kept_per_rank(schedule, checkpoint)) < schedule.chunks * schedule.model_stages
+
+
+@functools.cache
+def _schedule(name: str, stages: int, chunks: int, virtual: int) -> Schedule:
+    return gpipe(stages, chunks) if name == "gpipe" else circular(stages, chunks, virtual)
+
+
+def _padded(chunks: int, stages: int) -> int:
+    """Microbatches the spmd executor runs: ``chunks`` rounded up to a multiple of ``stages``."""
+    return -(-chunks // stages) * stages
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]

@@ -1,0 +1,174 @@
+"""What the planner needs to know of a model: its repeated block's weights, the
+weights around it, and per row of the batch the FLOPs, the bytes that cross
+into the block and the bytes a block saves for its backward.
+
+Two sources:
+
+- :func:`profile_of_model`: a model built on the host, captured with a sample
+  input as :func:`xpipe.partition` captures it (FLOPs and saved bytes measured
+  by torch on that sample);
+- :func:`profile_of_config`: a Hugging Face decoder's config, the model built
+  on the meta device (shapes only, nothing allocated), FLOPs and saved bytes
+  estimated from the config (see docs/planning.md for the formulas).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+
+@dataclass(frozen=True)
+class ModelProfile:
+    """A model as the planner sees it. Bytes per row are in the dtype of ``itemsize``."""
+
+    name: str
+    blocks: int  # the repeated blocks the spmd executor stacks over "stage"
+    block_weights: tuple[tuple[str, tuple[int, ...]], ...]  # block 0's parameters, full names and shapes
+    outer_weights: tuple[tuple[int, ...], ...]  # each distinct parameter outside the blocks
+    block_flops_per_row: float  # one block's forward FLOPs for one row of the batch
+    outer_flops_per_row: float  # the layers around the blocks (embedding, head)
+    stream_bytes_per_row: float  # what crosses into a block (the hidden state and side inputs)
+    block_saved_bytes_per_row: float  # what one block keeps for its backward
+    outer_saved_bytes_per_row: float  # what the layers around the blocks keep (the logits)
+    itemsize: int  # bytes per element the above were counted in
+    heads: tuple[int, ...] = ()  # the attention head counts a tensor size must divide
+
+    @property
+    def parameters(self) -> int:
+        """Parameters of the whole model (tied ones once)."""
+        block = sum(math.prod(shape) for _, shape in self.block_weights)
+        return self.blocks * block + sum(math.prod(shape) for shape in self.outer_weights)
+
+    def scaled(self, itemsize: int) -> ModelProfile:
+        """The same model with its activations counted in ``itemsize`` bytes per element."""
+        ratio = itemsize / self.itemsize
+        return ModelProfile(self.name, self.blocks, self.block_weights, self.outer_weights,
+                            self.block_flops_per_row, self.outer_flops_per_row, self.stream_bytes_per_row * ratio,
+                            self.block_saved_bytes_per_row * ratio, self.outer_saved_bytes_per_row * ratio,
+                            itemsize, self.heads)
+
+
+def profile_of_model(model: nn.Module, sample_input: Any) -> ModelProfile:
+    """Profile ``model`` by capturing it on ``sample_input`` (a batch of a few rows,
+    as ``Pipe``'s ``sample_input``): the blocks are the run of identical layers the
+    spmd executor would stack.
+
+    Raises:
+        ValueError: naming ``model`` if it has no run of identical blocks to stack.
+    """
+    from xpipe.partition import entry_bytes, partition
+
+    captured = partition(model, 1, sample_input=sample_input, cost="flops")
+    repeated = captured.repeated
+    if repeated is None:
+        raise ValueError("model: it has no run of identical blocks, which the spmd executor (the one that "
+                         "shards stages over fsdp and tensor) needs; plan only models with repeated blocks")
+    graph = captured.graph
+    layers = graph.graph["layers"]
+    rows = _rows(sample_input)
+    block_layers = [layers[repeated.start + i] for i in range(repeated.period)]
+    body_layers = set(layers[repeated.start:repeated.start + repeated.period * repeated.count])
+    block_params = [(f"{graph.nodes[layer]['module']}.{name}", p) for layer in block_layers
+                    for name, p in model.get_submodule(graph.nodes[layer]["module"]).named_parameters()]
+    in_blocks = {id(p) for layer in body_layers
+                 for p in model.get_submodule(graph.nodes[layer]["module"]).parameters()}
+    outer = {id(p): tuple(p.shape) for p in model.parameters() if id(p) not in in_blocks}
+    total_flops = sum(graph.nodes[layer].get("flops", 0) for layer in layers)
+    block_flops = sum(graph.nodes[layer].get("flops", 0) for layer in block_layers)
+    block_saved = sum(graph.nodes[layer].get("activation_bytes", 0) for layer in block_layers)
+    outer_saved = sum(graph.nodes[layer].get("activation_bytes", 0) for layer in layers if layer not in body_layers)
+    itemsize = next(model.parameters()).element_size()
+    return ModelProfile(
+        name=type(model).__name__, blocks=repeated.count,
+        block_weights=tuple((name, tuple(p.shape)) for name, p in block_params),
+        outer_weights=tuple(outer.values()),
+        block_flops_per_row=block_flops / rows,
+        outer_flops_per_row=(total_flops - repeated.count * block_flops) / rows,
+        stream_bytes_per_row=entry_bytes(graph)[repeated.start] / rows,
+        block_saved_bytes_per_row=block_saved / rows, outer_saved_bytes_per_row=outer_saved / rows,
+        itemsize=itemsize, heads=_head_counts(model))
+
+
+def profile_of_config(config: Any, seq: int, itemsize: int = 2) -> ModelProfile:
+    """Profile a Hugging Face decoder from its ``config`` (a ``PretrainedConfig``) at
+    sequence length ``seq``, counting activations in ``itemsize`` bytes: the model is
+    built on the meta device, so a 405B model costs no memory.
+
+    Raises:
+        ValueError: naming ``config`` if transformers cannot build a causal LM from
+            it, or the model has no list of identical blocks.
+    """
+    import transformers
+
+    if seq < 1:
+        raise ValueError(f"seq: the sequence length must be at least 1, got {seq}")
+    try:
+        with torch.device("meta"):
+            model = transformers.AutoModelForCausalLM.from_config(config)
+    except (ValueError, KeyError, TypeError) as error:
+        raise ValueError(f"config: transformers cannot build a causal LM from it ({error}); give the config of a "
+                         "decoder such as Llama, Mistral or Qwen2") from error
+    block_names = _block_names(model)
+    block = model.get_submodule(block_names[0])
+    in_blocks = {id(p) for name in block_names for p in model.get_submodule(name).parameters()}
+    outer = {id(p): tuple(p.shape) for p in model.parameters() if id(p) not in in_blocks}
+    hidden = config.hidden_size
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or hidden // heads
+    intermediate = config.intermediate_size
+    vocab = config.vocab_size
+    block_numel = sum(p.numel() for p in block.parameters())
+    # Per row of seq tokens: every weight's multiply-add once per token, and attention's
+    # two seq x seq products (scores and the weighted sum) over all heads.
+    block_flops = 2 * seq * block_numel + 4 * seq * seq * heads * head_dim
+    # What eager PyTorch keeps for the backward of a Llama-like block (counted on
+    # LlamaDecoderLayer with saved-tensor hooks): ten hidden-sized tensors per token,
+    # k and v, four intermediate-sized ones; and the attention probabilities,
+    # which XLA's attention (not a flash kernel) materialises.
+    saved_elements = seq * (10 * heads * head_dim + 2 * kv_heads * head_dim + 4 * intermediate) + heads * seq * seq
+    return ModelProfile(
+        name=getattr(config, "name_or_path", "") or type(model).__name__, blocks=len(block_names),
+        block_weights=tuple((f"{block_names[0]}.{name}", tuple(p.shape)) for name, p in block.named_parameters()),
+        outer_weights=tuple(outer.values()),
+        block_flops_per_row=block_flops, outer_flops_per_row=2 * seq * hidden * vocab,
+        stream_bytes_per_row=seq * hidden * itemsize, block_saved_bytes_per_row=saved_elements * itemsize,
+        # The logits in the model's dtype, their float32 copy for the loss, and its gradient.
+        outer_saved_bytes_per_row=seq * vocab * (itemsize + 8), itemsize=itemsize,
+        heads=tuple(sorted({heads, kv_heads})))
+
+
+def _block_names(model: nn.Module) -> list[str]:
+    """The names of the blocks of the model's longest ``nn.ModuleList`` of blocks with
+    the same parameter names and shapes."""
+    best: list[str] = []
+    for name, module in model.named_modules():
+        if isinstance(module, nn.ModuleList) and len(module) > len(best):
+            shapes = [[(n, tuple(p.shape)) for n, p in child.named_parameters()] for child in module]
+            if shapes[0] and all(s == shapes[0] for s in shapes):
+                best = [f"{name}.{index}" for index in range(len(module))]
+    if not best:
+        raise ValueError("config: the model it builds has no list of identical blocks to stack over 'stage'")
+    return best
+
+
+def _head_counts(model: nn.Module) -> tuple[int, ...]:
+    config = getattr(model, "config", None)
+    counts = {getattr(config, field, None) for field in ("num_attention_heads", "num_key_value_heads", "n_head")}
+    counts |= {m.num_heads for m in model.modules() if isinstance(m, nn.MultiheadAttention)}
+    return tuple(sorted(c for c in counts if isinstance(c, int)))
+
+
+def _rows(sample_input: Any) -> int:
+    """The batch size of a sample input (its first tensor's first dim)."""
+    values = sample_input.values() if isinstance(sample_input, dict) else (
+        sample_input if isinstance(sample_input, (tuple, list)) else (sample_input,))
+    for value in values:
+        if isinstance(value, torch.Tensor) and value.dim() > 0:
+            return value.shape[0]
+    raise ValueError("sample_input: it holds no batched tensor to count its rows from")

@@ -26,6 +26,8 @@ import xpipe
 import xpipe.inspect
 from xpipe.layout import MeshAxes
 from xpipe.memory import per_device
+from xpipe.planner import Layout, predict, preset
+from xpipe.profile import profile_of_model
 
 ROWS = 16  # 4 microbatches of one row or more on every device of every mesh below
 MESHES = {"2 stages x 4 fsdp": dict(stages=2, fsdp=4), "4 stages x 2 fsdp": dict(stages=4, fsdp=2),
@@ -139,15 +141,17 @@ def test_one_adamw_step_equals_the_plain_model_and_later_steps_compile_nothing(f
     assert compiles == [compiles[0], compiles[0] + 1, compiles[0] + 1], f"compiles before and after: {compiles}"
 
     if mesh in MESHES:
-        assert_memory_model_holds(pipe, optimizer, gradients, MeshAxes(options["stages"], options.get("data", 1),
-                                                                       options["fsdp"], options.get("tensor", 1)))
+        axes = MeshAxes(options["stages"], options.get("data", 1), options["fsdp"], options.get("tensor", 1))
+        measured = assert_memory_model_holds(pipe, optimizer, gradients, axes)
+        if family == "llama":
+            assert_the_plan_predicts(reference, inputs, axes, measured)
 
 
-def assert_memory_model_holds(pipe, optimizer, gradients: int, axes: MeshAxes) -> None:
+def assert_memory_model_holds(pipe, optimizer, gradients: int, axes: MeshAxes) -> dict[str, int]:
     """What the busiest device holds of the weights, their gradients and AdamW's state,
     read from its shards, against ``xpipe.memory.per_device`` (within 10%) and, on a
     mesh without "data", against an even share of the whole; the optimizer state
-    sharded as its parameter, from the first step."""
+    sharded as its parameter, from the first step. Returns the measured bytes by kind."""
     parameters = list(pipe.parameters())
     states = [value for p in parameters for value in optimizer.state[p].values() if value.device.type == "xla"]
     for p in parameters:
@@ -163,6 +167,17 @@ def assert_memory_model_holds(pipe, optimizer, gradients: int, axes: MeshAxes) -
         for kind, tensors in (("parameters", parameters), ("optimizer", states)):
             total = sum(t.numel() * t.element_size() for t in tensors)
             assert measured[kind] <= 1.15 * total / axes.devices, (kind, measured[kind], total / axes.devices)
+    return measured
+
+
+def assert_the_plan_predicts(model, inputs, axes: MeshAxes, measured: dict[str, int]) -> None:
+    """``xpipe.plan``'s prediction for this layout, from the plain model's profile (not
+    from the Pipe's stacked weights), within 10% of the bytes measured on the devices."""
+    sample = {name: value[:2] for name, value in inputs.items()}
+    layout = Layout(axes.stage, axes.data, axes.fsdp, axes.tensor, chunks=4)
+    prediction = predict(profile_of_model(model, sample), layout, chip=preset("v5e"), batch=ROWS)
+    for kind, value in measured.items():
+        assert abs(prediction.memory[kind] - value) <= 0.1 * value, (kind, value, prediction.memory)
 
 
 def test_a_checkpoint_of_2_stages_x_2_fsdp_x_2_tensor_loads_into_other_layouts_and_the_plain_model(tmp_path):

@@ -40,7 +40,8 @@ def spmd_device() -> torch.device:
     return device
 
 
-def make_mesh(stages: int, data: int | None = None, *, fsdp: int = 1, tensor: int = 1) -> xs.Mesh:
+def make_mesh(stages: int, data: int | None = None, *, fsdp: int = 1, tensor: int = 1,
+              slices: int = 1) -> xs.Mesh:
     """A mesh of all XLA devices with axes ``("data", "stage")``, then ``"fsdp"``
     when ``fsdp > 1`` and ``"tensor"`` when ``tensor > 1``.
 
@@ -55,22 +56,66 @@ def make_mesh(stages: int, data: int | None = None, *, fsdp: int = 1, tensor: in
     gradients and optimizer state), gathered once per step; "tensor" splits each
     block's matrices (:mod:`xpipe.tensor_rules`), so its devices share their rows.
 
+    With ``slices > 1`` (TPU slices joined by the data-center network) the stages
+    are spread over the slices, ``stages // slices`` consecutive stages on each:
+    only stage neighbours talk across slices (one microbatch slice per clock, the
+    least data of any axis), while data, fsdp and tensor groups stay inside one.
+    The slice of each device is its runtime attribute ``slice_index``; on TPU the
+    devices inside a slice are arranged by torch_xla's ``HybridMesh``.
+
     Args:
         stages: size of the "stage" axis (pipeline stages).
         data: size of the "data" axis; defaults to ``devices // (stages * fsdp * tensor)``.
         fsdp: size of the "fsdp" axis.
         tensor: size of the "tensor" axis.
+        slices: TPU slices the devices span.
 
     Raises:
-        ValueError: if ``stages * data * fsdp * tensor`` is not the device count;
-            the message lists the sizes that would fit.
+        ValueError: if ``stages * data * fsdp * tensor`` is not the device count
+            (the message lists the sizes that would fit); if ``slices`` does not
+            divide ``stages`` (a stage's fsdp and tensor groups would straddle two
+            slices) or is not the number of slices the devices belong to.
     """
     axes = mesh_axes(stages, data, fsdp=fsdp, tensor=tensor)
+    slices = check_positive_int(slices, "slices")
+    if axes.stage % slices:
+        raise ValueError(f"slices: {slices} slices do not divide stages={axes.stage}: a stage would straddle two "
+                         "slices, and its fsdp and tensor groups would talk over the data-center network; use a "
+                         "stage count that is a multiple of the slices")
     spmd_device()
     sizes = {"data": axes.data, "stage": axes.stage, "fsdp": axes.fsdp, "tensor": axes.tensor}
     names = tuple(name for name in AXES if name in ("data", "stage") or sizes[name] > 1)
-    order = np.arange(axes.devices).reshape(axes.stage, axes.data, axes.fsdp, axes.tensor).transpose(1, 0, 2, 3)
-    return xs.Mesh(order.flatten(), tuple(sizes[name] for name in names), names)
+    shape = tuple(sizes[name] for name in names)
+    if slices > 1 and xr.device_type() == "TPU":
+        ici = tuple(size // slices if name == "stage" else size for name, size in zip(names, shape))
+        dcn = tuple(slices if name == "stage" else 1 for name in names)
+        return xs.HybridMesh(ici_mesh_shape=ici, dcn_mesh_shape=dcn, axis_names=names)
+    logical = np.arange(axes.devices).reshape(axes.stage, axes.data, axes.fsdp, axes.tensor).transpose(1, 0, 2, 3)
+    return xs.Mesh(_by_slice(slices, axes.devices)[logical].flatten(), shape, names)
+
+
+def _by_slice(slices: int, devices: int) -> np.ndarray:
+    """The devices' ids in slice order (slice 0's, then slice 1's, ...; by id inside a
+    slice), so that stage-major numbering puts consecutive stages on one slice.
+
+    Raises:
+        ValueError: naming ``slices`` if the devices belong to another number of
+            slices, or to slices of unequal sizes.
+    """
+    if slices == 1:
+        return np.arange(devices)
+    attributes = xr.global_runtime_device_attributes()
+    if not all("slice_index" in device for device in attributes):
+        raise ValueError(f"slices: slices={slices} but these devices carry no slice_index (a single slice, or "
+                         "the CPU emulation): use slices=1, or run on a multislice TPU deployment")
+    members: dict[int, list[int]] = {}
+    for device in sorted(attributes, key=lambda device: int(device["name"].rsplit(":", 1)[1])):  # e.g. "TPU:3"
+        members.setdefault(int(device["slice_index"]), []).append(int(device["name"].rsplit(":", 1)[1]))
+    sizes = sorted({len(ids) for ids in members.values()})
+    if len(members) != slices or len(sizes) != 1:
+        raise ValueError(f"slices: slices={slices}, but the devices form {len(members)} slices of "
+                         f"{', '.join(map(str, sizes))} devices; give the number of slices the job runs on")
+    return np.array([index for key in sorted(members) for index in members[key]])
 
 
 def mesh_axes(stages: int, data: int | None = None, *, fsdp: int = 1, tensor: int = 1) -> MeshAxes:

@@ -2,9 +2,11 @@
 
 import copy
 
+import numpy as np
 import pytest
 import torch
 import torch_xla
+import torch_xla.runtime as xr
 
 import xpipe
 from xpipe.models import small_cnn
@@ -97,6 +99,42 @@ def test_make_mesh_says_which_stage_counts_fit():
     with pytest.raises(ValueError, match=r"use stages in \[1, 2, 4, 8\]"):
         xpipe.make_mesh(3)
     assert xpipe.make_mesh(2).mesh_shape == (4, 2)
+
+
+def emulate_slices(monkeypatch, slice_of) -> None:
+    """Give the 8 CPU devices a ``slice_index``, as a multislice TPU runtime reports it."""
+    attributes = [{"name": f"CPU:{i}", "slice_index": slice_of(i)} for i in range(8)]
+    monkeypatch.setattr(xr, "global_runtime_device_attributes", lambda: attributes)
+
+
+@pytest.mark.parametrize("sizes", [dict(stages=2, fsdp=2, tensor=2), dict(stages=4, fsdp=2), dict(stages=2, data=4)])
+def test_over_2_slices_of_4_devices_only_stage_neighbours_cross_a_slice(monkeypatch, sizes):
+    emulate_slices(monkeypatch, lambda device: device % 2)  # interleaved: the attribute decides, not the ids
+    mesh = xpipe.make_mesh(**sizes, slices=2)
+    grid = np.array(mesh.device_ids).reshape(mesh.mesh_shape)  # (data, stage[, fsdp][, tensor])
+    stages = sizes["stages"]
+    slice_of_stage = [{device % 2 for device in grid[:, stage].flatten()} for stage in range(stages)]
+    assert slice_of_stage == [{stage * 2 // stages} for stage in range(stages)], "a stage's groups share a slice"
+    crossings = [(a, b) for a, b in zip(range(stages - 1), range(1, stages)) if slice_of_stage[a] != slice_of_stage[b]]
+    assert len(crossings) == 1, "one stage boundary crosses the slices; the ring's wrap-around is the other"
+    assert sorted(grid.flatten()) == list(range(8))
+
+
+def test_a_pipe_on_two_slices_equals_the_plain_model(monkeypatch):
+    emulate_slices(monkeypatch, lambda device: device % 2)
+    model = tiny_mlp(4)
+    batch, target = batch_for(model, 16)
+    assert_step_matches(model, batch, target, loss_of, chunks=4, mesh=xpipe.make_mesh(2, fsdp=4, slices=2))
+
+
+def test_slices_that_a_stage_would_straddle_or_the_devices_do_not_have_are_refused(monkeypatch):
+    with pytest.raises(ValueError, match="slices: slices=2 but these devices carry no slice_index"):
+        xpipe.make_mesh(2, fsdp=4, slices=2)
+    emulate_slices(monkeypatch, lambda device: device // 4)
+    with pytest.raises(ValueError, match="slices: 2 slices do not divide stages=1: a stage would straddle"):
+        xpipe.make_mesh(1, fsdp=8, slices=2)
+    with pytest.raises(ValueError, match="slices: slices=4, but the devices form 2 slices of 4 devices"):
+        xpipe.make_mesh(4, fsdp=2, slices=4)
 
 
 @pytest.mark.parametrize("checkpoint", ["always", "except_last", "never"])

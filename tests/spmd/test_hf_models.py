@@ -59,27 +59,31 @@ def test_mixtral_stacks_its_mixture_of_experts_blocks():
     assert_loss_step_matches(pipe, reference, input_ids=ids, labels=ids)
 
 
-def test_bert_with_a_padding_mask_and_labels():
+def test_bert_with_a_padding_mask_and_labels_split_over_fsdp_and_tensor():
     """An encoder: every block reads the extended attention mask, which travels
-    with its microbatch; the MLM head is tied to the word embeddings."""
+    with its microbatch; the MLM head is tied to the word embeddings. On 2 stages x
+    2 fsdp x 2 tensor: BERT's built-in tensor rules (query/key/value and intermediate
+    split on their outputs, the output denses on their inputs)."""
     model = bert()
     reference = copy.deepcopy(model)
     ids, mask = tokens(8, 8), padding_mask(8)
     inputs = {"input_ids": ids, "attention_mask": mask, "labels": ids}
-    pipe = xpipe.Pipe(model, chunks=4, mesh=xpipe.make_mesh(4, 2),
+    pipe = xpipe.Pipe(model, chunks=4, mesh=xpipe.make_mesh(2, fsdp=2, tensor=2),
                       sample_input={name: value[:2] for name, value in inputs.items()})
     assert pipe.executor == "spmd" and pipe.runner.block_count == 4
     assert_loss_step_matches(pipe, reference, **inputs)
 
 
-def test_t5_stacks_its_longest_run_of_alike_blocks():
+def test_t5_stacks_its_longest_run_of_alike_blocks_split_over_tensor():
     """Each of T5's stacks starts with a block that holds the relative position bias;
-    the other three of a 4-layer stack are alike and are stacked over 2 stages."""
+    the other three of a 4-layer stack are alike and are stacked over 2 stages, each
+    split over 4 tensor devices by T5's built-in rules (q/k/v and wi on their outputs,
+    o and wo on their inputs)."""
     model = t5(4)
     reference = copy.deepcopy(model)
     ids, mask = tokens(8, 8), padding_mask(8)
     inputs = {"input_ids": ids, "attention_mask": mask, "labels": ids.roll(1, 1)}
-    pipe = xpipe.Pipe(model, chunks=4, mesh=xpipe.make_mesh(2, 4),
+    pipe = xpipe.Pipe(model, chunks=4, mesh=xpipe.make_mesh(2, fsdp=1, tensor=4),
                       sample_input={name: value[:2] for name, value in inputs.items()})
     assert pipe.executor == "spmd" and pipe.runner.block_count == 3
     assert_loss_step_matches(pipe, reference, **inputs)

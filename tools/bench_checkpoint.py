@@ -14,14 +14,22 @@ optimizer has state). Timed, median of 9 after one warm-up each:
   for outside the timing);
 - ``xpipe.save(path, pipe, optimizer)``: with AdamW's state (three times the
   bytes), for scale.
+
+Then the growth of the process's resident memory during blocking saves (median
+of 3), beside the checkpoint's tensor bytes: what a save costs the host. Give
+``--width 1024`` for a checkpoint whose state is large next to each shard
+(291 MiB of weights and AdamW state).
 """
 
 from __future__ import annotations
 
+import argparse
 import copy
+import ctypes
 import os
 import statistics
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -50,8 +58,55 @@ def median_seconds(action, repeats: int = 9) -> float:
     return statistics.median(times)
 
 
+class PeakResident:
+    """The process's peak resident memory while the block runs, sampled every
+    millisecond (freed heap handed back to the system first, so that what an
+    earlier save freed does not hide this one's growth)."""
+
+    def __enter__(self) -> PeakResident:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+        self.start = self.peak = _resident()
+        self._running = True
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def _sample(self) -> None:
+        while self._running:
+            self.peak = max(self.peak, _resident())
+            time.sleep(0.001)
+
+    def __exit__(self, *_) -> None:
+        self._running = False
+        self._thread.join()
+        self.peak = max(self.peak, _resident())
+
+    @property
+    def growth(self) -> int:
+        return self.peak - self.start
+
+
+def _resident() -> int:
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def growth_during(action, repeats: int = 3) -> int:
+    """Median growth of resident memory over ``repeats`` runs of ``action()``."""
+    growths = []
+    for _ in range(repeats):
+        with PeakResident() as peak:
+            action()
+        growths.append(peak.growth)
+    return int(statistics.median(growths))
+
+
 def main() -> None:
-    model = transformer_lm(blocks=8, width=256, heads=4, seq=128, vocab=256)
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--width", type=int, default=256, help="the LM's width (default 256: 24.7 MiB of weights)")
+    parser.add_argument("--blocks", type=int, default=8)
+    options = parser.parse_args()
+    model = transformer_lm(blocks=options.blocks, width=options.width, heads=4, seq=128, vocab=256)
     plain = copy.deepcopy(model)
     pipe = xpipe.Pipe(model, chunks=8, mesh=xpipe.make_mesh(4, 2),
                       loss_fn=lambda logits, t: F.cross_entropy(logits.flatten(0, 1), t.flatten()))
@@ -60,20 +115,28 @@ def main() -> None:
     pipe.step(tokens[:, :-1], tokens[:, 1:])
     optimizer.step()
     torch_xla.sync()
-    megabytes = sum(v.numel() * v.element_size() for v in plain.state_dict().values()) / 2**20
+    weight_bytes = sum(v.numel() * v.element_size() for v in plain.state_dict().values())
     with tempfile.TemporaryDirectory() as directory:
         directory = Path(directory)
         baseline = median_seconds(lambda: torch.save(plain.state_dict(), directory / "plain.pt"))
         weights = median_seconds(lambda: xpipe.save(directory / "weights", pipe))
         background = median_seconds(lambda: xpipe.save(directory / "background", pipe, background=True))
         everything = median_seconds(lambda: xpipe.save(directory / "all", pipe, optimizer, step=1))
-    print(f"model state: {megabytes:.1f} MiB")
+        weights_growth = growth_during(lambda: xpipe.save(directory / "weights", pipe))
+        everything_growth = growth_during(lambda: xpipe.save(directory / "all", pipe, optimizer, step=1))
+    everything_bytes = 3 * weight_bytes  # the weights and AdamW's two states
+    print(f"model state: {weight_bytes / 2**20:.1f} MiB (with AdamW's state: {everything_bytes / 2**20:.1f} MiB)")
     print("| what | seconds | / torch.save |")
     print("| --- | --- | --- |")
     for name, seconds in [("torch.save(plain.state_dict())", baseline), ("xpipe.save(path, pipe)", weights),
                           ("xpipe.save(path, pipe, background=True)", background),
                           ("xpipe.save(path, pipe, optimizer)", everything)]:
         print(f"| {name} | {seconds:.3f} | {seconds / baseline:.2f} |")
+    print("| blocking save | resident growth, MiB (median of 3) | / the checkpoint's tensor bytes |")
+    print("| --- | --- | --- |")
+    for name, growth, size in [("xpipe.save(path, pipe)", weights_growth, weight_bytes),
+                               ("xpipe.save(path, pipe, optimizer)", everything_growth, everything_bytes)]:
+        print(f"| {name} | {growth / 2**20:.1f} | {growth / size:.2f} |")
 
 
 if __name__ == "__main__":

@@ -150,7 +150,8 @@ def _moved_in_place(parameter: nn.Parameter, device: torch.device) -> nn.Paramet
 
 
 def to_host(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """CPU copies of ``tensors``, for checkpoints and state dicts, fetched together.
+    """CPU copies of ``tensors``, for state dicts, fetched together (checkpoints write
+    the shards as they are: :func:`host_shards`).
 
     A tensor sharded under SPMD is put together from its shards on this host:
     torch_xla's ``.cpu()`` compiles a small gathering program for every call (about
@@ -160,16 +161,49 @@ def to_host(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     shard of a tensor (a multi-host pod), ``.cpu()`` gathers it.
     """
     import torch_xla
-    import torch_xla.distributed.spmd as xs
 
     tensors = [tensor.detach() for tensor in tensors]
-    sharded = [tensor for tensor in tensors
-               if tensor.device.type == "xla" and isinstance(xs.wrap_if_sharded(tensor), xs.XLAShardedTensor)]
+    sharded = [tensor for tensor in tensors if _is_sharded(tensor)]
     if sharded:
         torch_xla._XLAC._xla_sync_multi(sharded, devices=[], wait=True)  # shards hold the current values
     shards = dict(zip(map(id, sharded), _local_shards(sharded)))
     return [_assembled(tensor, shards[id(tensor)]) if id(tensor) in shards else tensor.to("cpu", copy=True)
             for tensor in tensors]
+
+
+Shard = tuple[tuple[slice, ...], torch.Tensor]  # (its slices of the whole tensor, its values on the CPU)
+
+
+def host_shards(tensors: list[torch.Tensor]) -> list[list[Shard]]:
+    """Each tensor as the shards this host holds of it, on the CPU: (its slices of the
+    whole, the values), one replica of each, padding cut off; an unsharded tensor is
+    one shard, the whole of it. Nothing is put together: a checkpoint writes the
+    shards as they are (:mod:`xpipe.chunks`). Sharded tensors are fetched one at a
+    time, so that the other replicas' copies are dropped before the next arrives."""
+    import torch_xla
+
+    tensors = [tensor.detach() for tensor in tensors]
+    sharded = [tensor for tensor in tensors if _is_sharded(tensor)]
+    if sharded:
+        torch_xla._XLAC._xla_sync_multi(sharded, devices=[], wait=True)  # shards hold the current values
+    result = []
+    for tensor in tensors:
+        if not _is_sharded(tensor):
+            result.append([(tuple(slice(0, size) for size in tensor.shape), tensor.to("cpu", copy=True))])
+            continue
+        shards = []
+        for data, indices in _local_shards([tensor])[0]:
+            index = tuple(slice(0, size) for size in tensor.shape) if indices is Ellipsis else tuple(
+                slice(part.start, min(part.stop, size)) for part, size in zip(indices, tensor.shape))
+            shards.append((index, data[tuple(slice(0, part.stop - part.start) for part in index)]))
+        result.append(shards)
+    return result
+
+
+def _is_sharded(tensor: torch.Tensor) -> bool:
+    import torch_xla.distributed.spmd as xs
+
+    return tensor.device.type == "xla" and isinstance(xs.wrap_if_sharded(tensor), xs.XLAShardedTensor)
 
 
 def _local_shards(tensors: list[torch.Tensor]) -> list[list[tuple[torch.Tensor, Any]]]:

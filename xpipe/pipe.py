@@ -31,6 +31,7 @@ from xpipe._retired import retire
 from xpipe._xla import can_enter_spmd, kept_shardings, move_keeping_ties, rebind, restore_shardings, warm_autograd
 from xpipe.capture import place_constants_on
 from xpipe.checkpoint import check_mode
+from xpipe.chunks import Chunks
 from xpipe.devices.executor import DevicesPipeline
 from xpipe.devices.stages import cut_into_stages
 from xpipe.mesh import axes_of, make_mesh, mesh_axes, spmd_device
@@ -288,6 +289,14 @@ class Pipe(nn.Module):
         """``state_dict()`` as CPU copies, fetched a whole tensor at a time: under spmd,
         moving each block's view of the stacked weights would compile a program per view."""
         return self.runner.host_state(self._original_keys)
+
+    def host_state_chunks(self) -> dict[str, Chunks | torch.Tensor]:
+        """``state_dict()`` as what this host holds of it, for checkpoints: under spmd each
+        tensor as the pieces of its shards (:mod:`xpipe.chunks`), never put together;
+        with the devices executor, CPU copies."""
+        if isinstance(self.runner, SpmdPipeline):
+            return self.runner.state_chunks(self._original_keys)
+        return self.host_state_dict()
 
     def load_state_dict(self, state_dict: Mapping[str, torch.Tensor], strict: bool = True, assign: bool = False):
         """Load a state dict of the wrapped module (as ``module.state_dict()`` gives)."""

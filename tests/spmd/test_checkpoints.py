@@ -1,5 +1,6 @@
 """``xpipe.save`` / ``xpipe.load`` under spmd: AdamW state on stacked weights resumes
-exactly, and loads into another mesh and into the plain model."""
+exactly, and loads into another mesh and into the plain model; the checkpoint is
+written shard by shard, each chunk once."""
 
 import copy
 from pathlib import Path
@@ -8,6 +9,7 @@ import torch
 import torch_xla
 
 import xpipe
+from checkpoint_checks import assert_chunks_tile_every_tensor, no_sharded_tensor_put_together
 from equivalence import assert_loads_exactly, step_losses
 from fresh_process import call_in_fresh_process
 from pipe_checks import batch_for, loss_of, tiny_lm
@@ -30,6 +32,8 @@ def test_resume_on_2x4_then_load_into_4x2_1x8_and_the_plain_model(tmp_path):
     expected = step_losses(uninterrupted, optimizer, data)
 
     call_in_fresh_process(__file__, "train_six_steps_and_save", str(tmp_path))
+    # Stacked weights sharded over "stage" and replicated over "data": each chunk once.
+    assert_chunks_tile_every_tensor(tmp_path / "ckpt")
     saved = torch.load(tmp_path / "weights.pt")
     resumed, optimizer = make(tiny_lm(), 4, 2)
     assert xpipe.load(tmp_path / "ckpt", resumed, optimizer) == (6, None)
@@ -68,7 +72,8 @@ def train_six_steps_and_save(folder: str) -> None:
     start = torch.load(Path(folder) / "start.pt", weights_only=False)
     pipe, optimizer = make(start["model"], 4, 2)
     torch.save(step_losses(pipe, optimizer, start["data"][:6]), Path(folder) / "losses.pt")
-    xpipe.save(Path(folder) / "ckpt", pipe, optimizer, step=6)
+    with no_sharded_tensor_put_together():
+        xpipe.save(Path(folder) / "ckpt", pipe, optimizer, step=6)
     torch.save(pipe.host_state_dict(), Path(folder) / "weights.pt")
 
 

@@ -17,6 +17,7 @@ devices once, after the loop, by the backward of that gathering.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from functools import partial
 
@@ -29,7 +30,8 @@ from torch_xla.experimental.scan import scan
 
 from xpipe._batch import check_outputs
 from xpipe._batchnorm import RunningStatistics
-from xpipe._xla import to_host
+from xpipe._xla import Shard, host_shards, to_host
+from xpipe.chunks import Chunks, flat_boxes, from_shards
 from xpipe.checkpoint import kept_cells, recompute
 from xpipe.layout import stored_shape
 from xpipe.schedule import Schedule, circular, gpipe
@@ -90,7 +92,7 @@ class SpmdPipeline(nn.Module):
         padded = make_layout(chunks, chunks, self.stages, 1).padded_chunks
         self.schedule = gpipe(self.stages, padded) if rounds == 1 else circular(self.stages, padded, rounds)
         self._sources, self._traced_name = _state_sources(stacked, keys)
-        self._holders: dict[int, list[tuple[str, Callable]]] | None = None  # see named_slices
+        self._holders: dict[int, list[tuple[str, tuple | None]]] | None = None  # see _places_in
         self._ticks: dict[tuple, Callable] = {}
 
     def train(self, mode: bool = True) -> SpmdPipeline:
@@ -140,6 +142,34 @@ class SpmdPipeline(nn.Module):
         tensor shaped like ``parameter`` (its gradient, an optimizer's state for it).
         A stacked weight holds one parameter per unfrozen block; a tied one is named
         by its first name, as ``named_parameters()`` does."""
+        return [(name, tensor if place is None else self.body.unstored(place[0], tensor[place[1]]))
+                for name, place in self._places_in(parameter)]
+
+    def named_chunks(self, parameter: torch.Tensor, tensor: torch.Tensor,
+                     shards: list[Shard]) -> list[tuple[str, Chunks]]:
+        """:meth:`named_slices` of ``tensor`` (shaped like ``parameter``) from the shards
+        of it this host holds (:func:`xpipe._xla.host_shards`): each name's part as the
+        pieces those shards cover, nothing put together."""
+        return [(name, from_shards(tensor.shape, tensor.dtype, shards) if place is None
+                 else self.body.block_chunks(place[0], place[1], shards))
+                for name, place in self._places_in(parameter)]
+
+    def state_chunks(self, keys: list[str]) -> dict[str, Chunks]:
+        """``state_dict`` keys ``keys`` as the pieces this host holds of them: each stacked
+        tensor's shards are fetched once and cut into its blocks' boxes, never put together."""
+        places = {key: self.body.block_place(*self._sources[key]) if isinstance(self._sources[key], tuple) else None
+                  for key in keys}
+        holders = {id(place[0]): place[0] for place in places.values() if place is not None}
+        singles = {key: self.state_tensor(key) for key, place in places.items() if place is None}
+        fetched = iter(host_shards([*holders.values(), *singles.values()]))
+        stacked = {holder: next(fetched) for holder in holders}
+        single = {key: from_shards(value.shape, value.dtype, next(fetched)) for key, value in singles.items()}
+        return {key: single[key] if place is None else self.body.block_chunks(place[2], place[1], stacked[id(place[0])])
+                for key, place in places.items()}
+
+    def _places_in(self, parameter: torch.Tensor) -> list[tuple[str, tuple[int, tuple[int, int]] | None]]:
+        """The names ``parameter`` holds, each with where: (block parameter index,
+        (stage, slot)) in a stacked weight, or None for the whole of it."""
         if self._holders is None:
             self._holders = {}
             for key, source in self._sources.items():
@@ -147,11 +177,10 @@ class SpmdPipeline(nn.Module):
                     index, block = source
                     stage, slot = self.body.slots[block]
                     if (stage, slot) not in self.body.frozen_slots[self.body.names[index]]:
-                        self._holders.setdefault(id(self.body.weights[index]), []).append(
-                            (key, lambda t, at=(stage, slot), index=index: self.body.unstored(index, t[at])))
+                        self._holders.setdefault(id(self.body.weights[index]), []).append((key, (index, (stage, slot))))
                 elif isinstance(holder := self.state_tensor(key), nn.Parameter) and id(holder) not in self._holders:
-                    self._holders[id(holder)] = [(key, lambda t: t)]  # a tied weight by its first name
-        return [(name, part(tensor)) for name, part in self._holders.get(id(parameter), [])]
+                    self._holders[id(holder)] = [(key, None)]  # a tied weight by its first name
+        return self._holders.get(id(parameter), [])
 
     def named_gradients(self) -> dict[str, torch.Tensor | None]:
         """Gradients under the wrapped module's parameter names; ``None`` for frozen weights."""
@@ -382,6 +411,31 @@ class StackedWeights(nn.Module):
         if name in self.trainable and (stage, slot) in self.frozen_slots[name]:
             holder = getattr(self, _attribute(name) + "__frozen")
         return holder, (stage, slot), index
+
+    def block_chunks(self, index: int, at: tuple[int, int], shards: list[Shard]) -> Chunks:
+        """Block parameter ``index`` of slot ``at`` (stage, slot), in its own shape, as the
+        pieces that ``shards`` of its stacked tensor (or of a tensor shaped like it) cover:
+        each shard's flat range of the slot, as boxes of the stored shape, moved back to
+        the parameter's dims."""
+        shape, dim = tuple(self.shapes[index]), self.dims[index]
+        stored = stored_shape(shape, dim) or (1,)  # a 0-dim parameter is stored as one element
+        axes = tuple(range(len(shape))) if dim is None else (dim, *(d for d in range(len(shape)) if d != dim))
+        pieces = []
+        for (stages, slots, flat), values in shards:
+            if not (stages.start <= at[0] < stages.stop and slots.start <= at[1] < slots.stop):
+                continue
+            row = values[at[0] - stages.start, at[1] - slots.start]
+            for offsets, sizes, first in flat_boxes(stored, flat.start, flat.stop):
+                piece = row[first - flat.start:first - flat.start + math.prod(sizes)].view(sizes)
+                placed = [0] * len(shape)
+                for axis, offset in zip(axes, offsets):
+                    placed[axis] = offset
+                if not shape:
+                    piece = piece.view(())
+                elif dim not in (None, 0):
+                    piece = piece.movedim(0, dim)
+                pieces.append((tuple(placed), piece))
+        return Chunks(torch.Size(shape), self.weights[index].dtype, pieces)
 
     def block_grad(self, index: int, block: int) -> torch.Tensor | None:
         """The gradient of block ``block``'s parameter ``index``; ``None`` if frozen or not computed."""

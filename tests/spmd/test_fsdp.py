@@ -236,11 +236,12 @@ def test_a_checkpoint_of_2_stages_x_2_fsdp_x_2_tensor_loads_into_other_layouts_a
         torch.testing.assert_close(losses, expected, rtol=RTOL, atol=ATOL)
 
 
-def test_bfloat16_llama_on_2_stages_x_2_data_x_2_fsdp_compiles_once():
-    """Weights, activations and gradients in bf16, SGD on the bf16 weights: three steps, one program."""
+def test_bfloat16_llama_on_2_stages_x_2_fsdp_x_2_tensor_compiles_once():
+    """Weights, activations and gradients in bf16, the blocks split over "tensor", SGD on
+    the bf16 weights: three steps, one program, and the loss falls."""
     model = llama(4).to(torch.bfloat16)
     inputs = inputs_of("llama")
-    pipe = xpipe.Pipe(model, chunks=4, mesh=xpipe.make_mesh(2, 2, fsdp=2),
+    pipe = xpipe.Pipe(model, chunks=4, mesh=xpipe.make_mesh(2, fsdp=2, tensor=2),
                       sample_input={name: value[:2] for name, value in inputs.items()})
     optimizer = torch.optim.SGD(pipe.parameters(), lr=0.1)
     torch_xla.sync()

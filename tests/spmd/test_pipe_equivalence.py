@@ -3,7 +3,7 @@
 Every mesh (data x stage) runs a transformer LM with tied embedding and head at
 two of chunks in {1, stages, 4 x stages} (one padded case, one of several
 microbatches per stage), the checkpoint modes in turn; an MLP-block stack runs
-one case per mesh. The fsdp meshes are tested with Hugging Face models in
+two of them. The fsdp meshes are tested with Hugging Face models in
 ``test_fsdp.py``.
 """
 
@@ -16,7 +16,7 @@ MODES = ["except_last", "always", "never"]
 CASES = [(data, stages, chunks, MODES[i % 3])
          for i, (data, stages, chunks) in enumerate(
              (d, s, c) for d, s in MESHES for c in ((1, 4 * s) if s % 4 else (s, 4 * s)))]
-MLP_CASES = [(1, 8, 8, "never"), (2, 4, 16, "except_last"), (4, 2, 1, "always"), (8, 1, 4, "never")]
+MLP_CASES = [(2, 4, 16, "except_last"), (4, 2, 1, "always")]  # the LM runs every mesh
 
 
 @pytest.mark.parametrize("data, stages, chunks, checkpoint", MLP_CASES)
@@ -31,7 +31,7 @@ def test_transformer_lm_with_tied_head(data, stages, chunks, checkpoint):
     assert weights["embed.tokens.weight"] is weights["head.weight"]
 
 
-@pytest.mark.parametrize("chunks, checkpoint", [(1, "always"), (4, "except_last"), (16, "never")])
+@pytest.mark.parametrize("chunks, checkpoint", [(1, "always"), (16, "never")])
 def test_seven_blocks_on_four_stages(chunks, checkpoint):
     pipe = assert_matches_reference(tiny_lm(blocks=7), stages=4, data=2, chunks=chunks, checkpoint=checkpoint)
     assert pipe.runner.per_stage == (2, 2, 2, 1)

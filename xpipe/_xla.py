@@ -160,12 +160,8 @@ def to_host(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     once and their shards fetched in one call. Where this host does not hold every
     shard of a tensor (a multi-host pod), ``.cpu()`` gathers it.
     """
-    import torch_xla
-
     tensors = [tensor.detach() for tensor in tensors]
-    sharded = [tensor for tensor in tensors if _is_sharded(tensor)]
-    if sharded:
-        torch_xla._XLAC._xla_sync_multi(sharded, devices=[], wait=True)  # shards hold the current values
+    sharded = _synced_sharded(tensors)
     shards = dict(zip(map(id, sharded), _local_shards(sharded)))
     return [_assembled(tensor, shards[id(tensor)]) if id(tensor) in shards else tensor.to("cpu", copy=True)
             for tensor in tensors]
@@ -180,15 +176,11 @@ def host_shards(tensors: list[torch.Tensor]) -> list[list[Shard]]:
     one shard, the whole of it. Nothing is put together: a checkpoint writes the
     shards as they are (:mod:`xpipe.chunks`). Sharded tensors are fetched one at a
     time, so that the other replicas' copies are dropped before the next arrives."""
-    import torch_xla
-
     tensors = [tensor.detach() for tensor in tensors]
-    sharded = [tensor for tensor in tensors if _is_sharded(tensor)]
-    if sharded:
-        torch_xla._XLAC._xla_sync_multi(sharded, devices=[], wait=True)  # shards hold the current values
+    sharded = {id(tensor) for tensor in _synced_sharded(tensors)}
     result = []
     for tensor in tensors:
-        if not _is_sharded(tensor):
+        if id(tensor) not in sharded:
             result.append([(tuple(slice(0, size) for size in tensor.shape), tensor.to("cpu", copy=True))])
             continue
         shards = []
@@ -198,6 +190,17 @@ def host_shards(tensors: list[torch.Tensor]) -> list[list[Shard]]:
             shards.append((index, data[tuple(slice(0, part.stop - part.start) for part in index)]))
         result.append(shards)
     return result
+
+
+def _synced_sharded(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The SPMD-sharded ones of ``tensors``, synced together so that their shards hold
+    the current values."""
+    import torch_xla
+
+    sharded = [tensor for tensor in tensors if _is_sharded(tensor)]
+    if sharded:
+        torch_xla._XLAC._xla_sync_multi(sharded, devices=[], wait=True)
+    return sharded
 
 
 def _is_sharded(tensor: torch.Tensor) -> bool:

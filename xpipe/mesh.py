@@ -109,8 +109,10 @@ def _by_slice(slices: int, devices: int) -> np.ndarray:
         raise ValueError(f"slices: slices={slices} but these devices carry no slice_index (a single slice, or "
                          "the CPU emulation): use slices=1, or run on a multislice TPU deployment")
     members: dict[int, list[int]] = {}
-    for device in sorted(attributes, key=lambda device: int(device["name"].rsplit(":", 1)[1])):  # e.g. "TPU:3"
-        members.setdefault(int(device["slice_index"]), []).append(int(device["name"].rsplit(":", 1)[1]))
+    ordinals = sorted((int(device["name"].rsplit(":", 1)[1]), int(device["slice_index"]))  # name: e.g. "TPU:3"
+                      for device in attributes)
+    for ordinal, slice_index in ordinals:
+        members.setdefault(slice_index, []).append(ordinal)
     sizes = sorted({len(ids) for ids in members.values()})
     if len(members) != slices or len(sizes) != 1:
         raise ValueError(f"slices: slices={slices}, but the devices form {len(members)} slices of "

@@ -88,7 +88,7 @@ def test_planning_a_405b_model_allocates_nothing():
     (["--memory", "0GiB"], "--memory: '0GiB' is no memory at all"),
     (["--memory", "lots"], "--memory: 'lots' is not a size"),
     (["--memory", "1GiB"], "fits nowhere on 256 x TPU v5e"),
-    (["--devices", "0"], "devices: expected a whole number of at least 1"),
+    (["--devices", "0"], "devices: must be a positive integer, got 0"),
 ])
 def test_bad_input_gets_one_line_and_status_2(capsys, arguments, message):
     options = {"--devices": "256", "--batch": "32", "--chip": "v5e"}

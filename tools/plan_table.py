@@ -33,8 +33,7 @@ def main() -> None:
         if result.fitting:
             best = result.fitting[0]
             layout = best.layout
-            schedule = layout.schedule if layout.virtual == 1 else f"{layout.schedule} x{layout.virtual}"
-            described = (f"{layout.stages} x {layout.data} x {layout.fsdp} x {layout.tensor}, {schedule}, "
+            described = (f"{layout.stages} x {layout.data} x {layout.fsdp} x {layout.tensor}, {layout.schedule_label}, "
                          f"{layout.chunks}, {layout.checkpoint}")
             numbers = f"{best.bytes / GiB:.1f} | {best.step_seconds:.2f} | {best.bubble:.2f}"
         else:

@@ -173,9 +173,8 @@ def nowhere(result: Plan) -> str:
 
 def _row(index: int, prediction: Prediction) -> str:
     layout = prediction.layout
-    schedule = layout.schedule if layout.virtual == 1 else f"{layout.schedule} x{layout.virtual}"
     parts = " ".join(f"{prediction.memory[kind] / GiB:5.2f}" for kind in KINDS)
-    return (f"{index:>3}  {layout.stages:>5} {layout.data:>4} {layout.fsdp:>4} {layout.tensor:>6}  {schedule:<12} "
+    return (f"{index:>3}  {layout.stages:>5} {layout.data:>4} {layout.fsdp:>4} {layout.tensor:>6}  {layout.schedule_label:<12} "
             f"{layout.chunks:>6}  {layout.checkpoint:<11} {prediction.bytes / GiB:>10.2f}  ({parts})  "
             f"{prediction.bubble:>6.3f}  {prediction.step_seconds:>8.3f}")
 
@@ -193,9 +192,8 @@ def draw(result: Plan, path: str, top: int) -> None:
     if pure is not None and not pure.fits:
         shown = [*shown, pure]
     figure, axis = plt.subplots(figsize=(11, 0.45 * len(shown) + 1.6))
-    labels = [f"{p.layout.stages}s {p.layout.data}d {p.layout.fsdp}f {p.layout.tensor}t, {p.layout.schedule}"
-              f"{'' if p.layout.virtual == 1 else ' x' + str(p.layout.virtual)}, M={p.layout.chunks}, "
-              f"{p.layout.checkpoint}{'' if p.fits else ' (does not fit)'}" for p in shown]
+    labels = [f"{p.layout.stages}s {p.layout.data}d {p.layout.fsdp}f {p.layout.tensor}t, {p.layout.schedule_label}, "
+              f"M={p.layout.chunks}, {p.layout.checkpoint}{'' if p.fits else ' (does not fit)'}" for p in shown]
     left = [0.0] * len(shown)
     for kind in KINDS:
         widths = [p.memory[kind] / GiB for p in shown]

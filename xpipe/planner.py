@@ -22,6 +22,7 @@ from typing import Any
 
 from torch import nn
 
+from xpipe._checks import check_positive_int
 from xpipe.checkpoint import MODES, kept_cells
 from xpipe.layout import MeshAxes
 from xpipe.memory import per_device
@@ -78,10 +79,19 @@ class Layout:
         """Nothing sharded inside a stage: stages, and data replicas of them."""
         return self.fsdp == 1 and self.tensor == 1
 
+    @property
+    def schedule_label(self) -> str:
+        """The schedule with its rounds, e.g. ``"circular x2"``."""
+        return self.schedule if self.virtual == 1 else f"{self.schedule} x{self.virtual}"
+
+    def outer_rows(self, batch: int) -> int:
+        """Rows of a ``batch`` that each device runs the layers around the body on (the
+        batch split over stage, data and fsdp)."""
+        return -(-batch // (self.stages * self.data * self.fsdp))
+
     def __str__(self) -> str:
-        schedule = self.schedule if self.virtual == 1 else f"{self.schedule} x{self.virtual}"
         return (f"{self.stages} stage x {self.data} data x {self.fsdp} fsdp x {self.tensor} tensor, "
-                f"{schedule}, chunks {self.chunks}, checkpoint {self.checkpoint}")
+                f"{self.schedule_label}, chunks {self.chunks}, checkpoint {self.checkpoint}")
 
 
 @dataclass(frozen=True)
@@ -183,7 +193,6 @@ def plan(model: nn.Module | ModelProfile | Any, *, devices: int, batch: int, chi
         raise ValueError(f"checkpoints: {bad or 'none'} given; use some of {', '.join(MODES)}")
     if slices > 1 and chip.dcn_bandwidth is None:
         raise ValueError(f"slices: {chip.name} has no published DCN bandwidth; give a Chip with dcn_bandwidth")
-    profile = profile.scaled(itemsize)
     predictions = [predict(profile, layout, chip=chip, batch=batch, capacity=capacity, itemsize=itemsize,
                            optimizer_states=optimizer_states, tensor_rules=tensor_rules, slices=slices)
                    for layout in layouts(profile, devices, batch, checkpoints, max_tensor, tensor_rules, slices)]
@@ -210,8 +219,7 @@ def _profile(model: nn.Module | ModelProfile | Any, sample_input: Any, seq: int)
 def _check(*, devices: int, batch: int, capacity: int, slices: int) -> None:
     for name, value in (("devices", devices), ("batch", batch), ("memory_per_device", capacity),
                         ("slices", slices)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"{name}: expected a whole number of at least 1, got {value!r}")
+        check_positive_int(value, name)
     if devices % slices:
         raise ValueError(f"slices: {slices} slices do not divide the {devices} devices")
 
@@ -290,8 +298,7 @@ def _activation_bytes(profile: ModelProfile, layout: Layout, schedule: Schedule,
     for keeps in _kept_per_rank(schedule, layout.checkpoint):
         recomputing = cells - keeps
         busiest = max(busiest, recomputing * stream + keeps * cell + (cell if recomputing else 0))
-    outer_rows = -(-batch // (layout.stages * layout.data * layout.fsdp))
-    return int((slots + 1) * stream + busiest + outer_rows * profile.outer_saved_bytes_per_row)
+    return int((slots + 1) * stream + busiest + layout.outer_rows(batch) * profile.outer_saved_bytes_per_row)
 
 
 def _communication(profile: ModelProfile, layout: Layout, schedule: Schedule, depth: int, rows: int,
@@ -319,8 +326,7 @@ def _seconds(profile: ModelProfile, layout: Layout, schedule: Schedule, depth: i
     passes = 3 + _recomputes(schedule, layout.checkpoint)  # forward, backward (twice the forward), recomputation
     body_flops = passes * schedule.chunks * layout.virtual * depth * rows * profile.block_flops_per_row
     body = body_flops / layout.tensor / chip.flops / (1 - schedule.bubble_fraction)
-    outer_rows = -(-batch // (layout.stages * layout.data * layout.fsdp))
-    outer = 3 * outer_rows * profile.outer_flops_per_row / chip.flops
+    outer = 3 * layout.outer_rows(batch) * profile.outer_flops_per_row / chip.flops
     stage_link = chip.dcn_bandwidth if slices > 1 else chip.ici_bandwidth
     return {"compute": body + outer,
             "stage": communication["stage"] / stage_link,

@@ -39,6 +39,7 @@ from tqdm import tqdm  # noqa: E402
 
 import xpipe  # noqa: E402
 import xpipe.data  # noqa: E402
+from xpipe.hosts import Hosts, host_rows  # noqa: E402
 from xpipe.models import transformer_lm  # noqa: E402
 
 VOCAB = 256  # bytes
@@ -65,16 +66,18 @@ def split(corpus: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 class Windows(torch.utils.data.IterableDataset):
     """Batches of ``[rows, seq + 1]`` random windows of ``text``; batch ``i`` depends
-    only on ``(seed, i)``, so a resumed run sees what the uninterrupted one saw."""
+    only on ``(seed, i)``, so a resumed run sees what the uninterrupted one saw.
+    ``kept`` picks the rows this host loads (on a pod, its share of each batch)."""
 
     def __init__(self, text: torch.Tensor, seq: int, rows: int, *, first: int = 0, count: int | None = None,
-                 seed: int = 0) -> None:
+                 seed: int = 0, kept: slice = slice(None)) -> None:
         super().__init__()
         self.text, self.seq, self.rows, self.first, self.count, self.seed = text, seq, rows, first, count, seed
+        self.kept = kept
 
     def batch(self, index: int) -> torch.Tensor:
         generator = torch.Generator().manual_seed(self.seed * 1_000_003 + index)
-        starts = torch.randint(0, len(self.text) - self.seq - 1, (self.rows,), generator=generator)
+        starts = torch.randint(0, len(self.text) - self.seq - 1, (self.rows,), generator=generator)[self.kept]
         return torch.stack([self.text[s:s + self.seq + 1] for s in starts.tolist()])
 
     def __iter__(self) -> Iterator[torch.Tensor]:
@@ -123,12 +126,15 @@ def run(options: argparse.Namespace) -> dict[str, list]:
     print(f"{pipe.executor} executor, {pipe.partition}\n")
 
     rows = options.micro_batch * (options.data * options.fsdp if pipe.executor == "spmd" else 1)  # per microbatch
+    spmd = pipe.executor == "spmd"
+    sharding = xpipe.data.batch_sharding(pipe.mesh, ndim=3, batch_dim=1) if spmd else None
+    hosts = Hosts.of_runtime() if spmd else None  # on a pod, each host loads only its devices' rows
     batches = Windows(train_text, options.seq, rows, first=(first - 1) * options.chunks,
-                      count=(options.steps - first + 1) * options.chunks, seed=options.seed)
+                      count=(options.steps - first + 1) * options.chunks, seed=options.seed,
+                      kept=host_rows(sharding, rows, 1, hosts) if spmd else slice(None))
     host = torch.utils.data.DataLoader(batches, batch_size=None)
-    sharding = (xpipe.data.batch_sharding(pipe.mesh, ndim=3, batch_dim=1) if pipe.executor == "spmd" else None)
     loader = xpipe.data.MpDeviceLoader(host, pipe.devices[0], accumulation_dim=0, accumulation_size=options.chunks,
-                                       batch_dim=1, input_sharding=sharding)
+                                       batch_dim=1, input_sharding=sharding, hosts=hosts)
     tokens_per_step = options.chunks * rows * options.seq
     progress = tqdm(loader, total=options.steps, initial=first - 1, desc="train", unit="step", disable=options.quiet)
     started = time.perf_counter()

@@ -13,6 +13,10 @@ in one piece, already sharded, with no reshaping on the device.
     for tokens in loader:                 # [16, 32, seq] from batches of [32, seq]
         logits = pipe(tokens, microbatch_dim=0)
 
+On a pod, ``hosts=xpipe.hosts.Hosts.of_runtime()`` makes each host's loader yield
+only its share of the global batch (:func:`xpipe.hosts.host_rows`), and the global
+batch is assembled from the hosts' shares as it is transferred (:mod:`xpipe.hosts`).
+
 Errors in the wrapped loader reach the training loop with their own traceback,
 and the loader's threads stop when iteration ends, fails, or is abandoned.
 """
@@ -28,7 +32,9 @@ import torch
 import torch_xla.distributed.parallel_loader as torch_xla_loader
 import torch_xla.distributed.spmd as xs
 import torch_xla.runtime as xr
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+
+from xpipe.hosts import Hosts, assembled, check_addresses_its_devices
 
 _JOIN_SECONDS = 5.0
 
@@ -127,6 +133,10 @@ class ParallelLoader(torch_xla_loader.ParallelLoader):
         accumulation_dim: where the stacked batches' new axis goes.
         accumulation_size: batches per stack; 0 turns stacking off.
         strict: raise, instead of warning, when the last group is short.
+        hosts: on a pod, this process's host (``xpipe.hosts.Hosts.of_runtime()``):
+            ``loader`` then yields only this host's rows of each global batch
+            (:func:`xpipe.hosts.host_rows`), and the global batch is assembled from
+            every host's shards on transfer; needs ``input_sharding``.
         **kwargs: torch_xla's own options: ``batches_per_execution``,
             ``loader_prefetch_size``, ``device_prefetch_size``,
             ``host_to_device_transfer_threads``, ``input_sharding``.
@@ -136,9 +146,12 @@ class ParallelLoader(torch_xla_loader.ParallelLoader):
     """
 
     def __init__(self, loader: Iterable, devices, *, batch_dim: int = 0, accumulation_dim: int = 1,
-                 accumulation_size: int = 0, strict: bool = False, **kwargs: Any) -> None:
+                 accumulation_size: int = 0, strict: bool = False, hosts: Hosts | None = None,
+                 **kwargs: Any) -> None:
         _check_options(batch_dim, accumulation_dim, accumulation_size)
         sharding = _check_input_sharding(kwargs.get("input_sharding"))
+        self._hosts = _check_hosts(hosts, sharding)
+        self._batch_dim = batch_dim
         source = Accumulated(loader, accumulation_size, accumulation_dim, strict=strict) if accumulation_size \
             else loader
         self._guarded = _Guarded(source, partial(_check_sharding_fits, sharding))
@@ -157,6 +170,28 @@ class ParallelLoader(torch_xla_loader.ParallelLoader):
 
     def per_device_samples(self) -> int:
         return len(self._guarded) // len(self._devices)
+
+    def send_cpu_data_to_device(self, batches: list[Any], device) -> list[Any]:
+        """The batches on the mesh; with ``hosts``, each tensor assembled from every
+        host's share into the global batch."""
+        if self._hosts is None:
+            return super().send_cpu_data_to_device(batches, device)
+        return [self._assembled(batch) for batch in batches]
+
+    def _assembled(self, batch: Any) -> Any:
+        sharding = self._input_sharding
+        if isinstance(sharding, dict):
+            missing = sorted(set(batch) - set(sharding))
+            if missing:
+                raise KeyError(f"input_sharding: has no spec for the batch keys {missing}; with hosts, every "
+                               "tensor is a global batch assembled from the hosts' shares and needs one")
+            return {key: self._assembled_leaf(value, sharding[key]) for key, value in batch.items()}
+        return tree_map(lambda leaf: self._assembled_leaf(leaf, sharding), batch)
+
+    def _assembled_leaf(self, leaf: Any, sharding: xs.ShardingSpec) -> Any:
+        if not isinstance(leaf, torch.Tensor):
+            return leaf
+        return assembled(leaf, sharding, self._batch_dim, self._hosts)
 
     def close(self) -> None:
         """Stop the worker threads and wait for them."""
@@ -193,11 +228,12 @@ class MpDeviceLoader(torch_xla_loader.MpDeviceLoader):
     """
 
     def __init__(self, loader: Iterable, device, *, batch_dim: int = 0, accumulation_dim: int = 1,
-                 accumulation_size: int = 0, strict: bool = False, **kwargs: Any) -> None:
+                 accumulation_size: int = 0, strict: bool = False, hosts: Hosts | None = None,
+                 **kwargs: Any) -> None:
         _check_options(batch_dim, accumulation_dim, accumulation_size)
-        _check_input_sharding(kwargs.get("input_sharding"))
+        _check_hosts(hosts, _check_input_sharding(kwargs.get("input_sharding")))
         super().__init__(loader, device, batch_dim=batch_dim, accumulation_dim=accumulation_dim,
-                         accumulation_size=accumulation_size, strict=strict, **kwargs)
+                         accumulation_size=accumulation_size, strict=strict, hosts=hosts, **kwargs)
 
     def __iter__(self) -> Iterator[Any]:
         if self._parallel_loader is not None:
@@ -230,6 +266,20 @@ def _check_input_sharding(sharding: Any) -> Any:
         raise ValueError("input_sharding: shards batches over a mesh, which needs SPMD mode; leave it out for "
                          "the devices executor, or build the mesh (xpipe.make_mesh) first")
     return sharding
+
+
+def _check_hosts(hosts: Hosts | None, sharding: Any) -> Hosts | None:
+    """``hosts`` if the loader can assemble global batches from the hosts' shares."""
+    if hosts is None:
+        return None
+    if not isinstance(hosts, Hosts):
+        raise TypeError(f"hosts: expected an xpipe.hosts.Hosts, got {type(hosts).__name__}; pass "
+                        "hosts=xpipe.hosts.Hosts.of_runtime()")
+    if sharding is None:
+        raise ValueError("hosts: each host's share is assembled into a global batch sharded over the mesh, which "
+                         "needs input_sharding; pass input_sharding=xpipe.data.batch_sharding(mesh, ndim, batch_dim)")
+    check_addresses_its_devices(hosts)
+    return hosts
 
 
 def _check_sharding_fits(sharding: Any, batch: Any) -> None:

@@ -1,5 +1,6 @@
 """What a checkpoint written shard by shard must hold: every chunk of every tensor
-exactly once, no empty file, and no sharded tensor put together on the host."""
+exactly once, no empty file, no sharded tensor put together on the host, and the
+shards on the host one tensor's at a time, not the model's."""
 
 import contextlib
 import itertools
@@ -66,3 +67,38 @@ def no_sharded_tensor_put_together():
     finally:
         xpipe.checkpoints.to_host, torch.Tensor.cpu = original_to_host, original_cpu
         xpipe._xla._assembled = original_assembled
+
+
+class HeldShards:
+    """The bytes of fetched shards on the host while a save runs: the most held at
+    once, and the most any one tensor's shards take."""
+
+    def __init__(self) -> None:
+        self.held: dict[int, int] = {}
+        self.peak = self.largest = 0
+
+
+@contextlib.contextmanager
+def held_shards():
+    """Record :class:`HeldShards` while the block saves."""
+    record = HeldShards()
+    original_fetch, original_read = xpipe._xla.HostShards.fetch, xpipe._xla.HostShards.read
+
+    def fetch(self):
+        original_fetch(self)
+        size = sum(value.numel() * value.element_size() for value in self._values)
+        record.held[id(self)] = size
+        record.largest = max(record.largest, size)
+        record.peak = max(record.peak, sum(record.held.values()))
+
+    def read(self, shard):
+        value = original_read(self, shard)
+        if self._values is None:
+            record.held.pop(id(self), None)
+        return value
+
+    xpipe._xla.HostShards.fetch, xpipe._xla.HostShards.read = fetch, read
+    try:
+        yield record
+    finally:
+        xpipe._xla.HostShards.fetch, xpipe._xla.HostShards.read = original_fetch, original_read

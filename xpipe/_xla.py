@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import math
 import weakref
 from collections.abc import Collection
 from typing import Any
@@ -167,29 +168,80 @@ def to_host(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
             for tensor in tensors]
 
 
-Shard = tuple[tuple[slice, ...], torch.Tensor]  # (its slices of the whole tensor, its values on the CPU)
+class HostShards:
+    """The shards of one tensor that this host holds, one replica of each, as their
+    places in the whole (slices, padding cut off); an unsharded tensor is one shard,
+    the whole of it. Their values reach the host when first read and are dropped
+    once every read announced with :meth:`expect_read` is done, so a save that
+    reads tensor after tensor holds one tensor's shards at a time, not the model's.
+    Nothing is put together: a checkpoint writes the shards as they are
+    (:mod:`xpipe.chunks`)."""
+
+    def __init__(self, tensor: torch.Tensor, places: list[tuple[slice, ...]], sharded: bool) -> None:
+        self.places = places
+        self._tensor, self._sharded = tensor, sharded
+        self._values: list[torch.Tensor] | None = None
+        self._reads = 0
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes of the shards' values on the host."""
+        return sum(math.prod(part.stop - part.start for part in place) for place in self.places) \
+            * self._tensor.element_size()
+
+    def expect_read(self) -> None:
+        """Announce one more :meth:`read` before the values may be dropped."""
+        self._reads += 1
+
+    def fetch(self) -> None:
+        """Bring the values to the host now (a background save copies before it returns)."""
+        if self._values is None:
+            self._values = _fetched(self._tensor, self.places) if self._sharded \
+                else [self._tensor.to("cpu", copy=True)]
+
+    def read(self, shard: int) -> torch.Tensor:
+        """Shard ``shard``'s values, on the CPU."""
+        self.fetch()
+        value = self._values[shard]
+        self._reads -= 1
+        if self._reads <= 0:
+            self._values = None
+        return value
 
 
-def host_shards(tensors: list[torch.Tensor]) -> list[list[Shard]]:
-    """Each tensor as the shards this host holds of it, on the CPU: (its slices of the
-    whole, the values), one replica of each, padding cut off; an unsharded tensor is
-    one shard, the whole of it. Nothing is put together: a checkpoint writes the
-    shards as they are (:mod:`xpipe.chunks`). Sharded tensors are fetched one at a
-    time, so that the other replicas' copies are dropped before the next arrives."""
+def host_shards(tensors: list[torch.Tensor]) -> list[HostShards]:
+    """Each tensor as the shards this host holds of it (:class:`HostShards`), synced
+    together first so that their values are the current ones; none is fetched yet."""
     tensors = [tensor.detach() for tensor in tensors]
-    sharded = {id(tensor) for tensor in _synced_sharded(tensors)}
-    result = []
-    for tensor in tensors:
-        if id(tensor) not in sharded:
-            result.append([(tuple(slice(0, size) for size in tensor.shape), tensor.to("cpu", copy=True))])
-            continue
-        shards = []
-        for data, indices in _local_shards([tensor])[0]:
-            index = tuple(slice(0, size) for size in tensor.shape) if indices is Ellipsis else tuple(
-                slice(part.start, min(part.stop, size)) for part, size in zip(indices, tensor.shape))
-            shards.append((index, data[tuple(slice(0, part.stop - part.start) for part in index)]))
-        result.append(shards)
-    return result
+    sharded = _synced_sharded(tensors)
+    places = dict(zip(map(id, sharded), _local_places(sharded)))
+    return [HostShards(tensor, places[id(tensor)], True) if id(tensor) in places
+            else HostShards(tensor, [tuple(slice(0, size) for size in tensor.shape)], False) for tensor in tensors]
+
+
+def _local_places(tensors: list[torch.Tensor]) -> list[list[tuple[slice, ...]]]:
+    """Where each tensor's shards on this host (replica 0) lie in it, padding cut off."""
+    import torch_xla
+
+    if not tensors:
+        return []
+    return [[_cut_to(indices, tensor.shape) for replica, indices in places if replica == 0]
+            for tensor, places in zip(tensors, torch_xla._XLAC._get_local_shard_replica_and_indices(tensors))]
+
+
+def _cut_to(indices: Any, shape: torch.Size) -> tuple[slice, ...]:
+    """A shard's indices (Ellipsis for the whole) as slices within ``shape``."""
+    if indices is Ellipsis:
+        return tuple(slice(0, size) for size in shape)
+    return tuple(slice(part.start, min(part.stop, size)) for part, size in zip(indices, shape))
+
+
+def _fetched(tensor: torch.Tensor, places: list[tuple[slice, ...]]) -> list[torch.Tensor]:
+    """The values of ``tensor``'s shards at ``places``, on the CPU (the other replicas'
+    copies, which torch_xla hands over with them, dropped at once)."""
+    shards = _local_shards([tensor])[0]
+    return [data[tuple(slice(0, part.stop - part.start) for part in index)]
+            for (data, _), index in zip(shards, places)]
 
 
 def _synced_sharded(tensors: list[torch.Tensor]) -> list[torch.Tensor]:

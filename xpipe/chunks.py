@@ -2,9 +2,11 @@
 holds, each written by ``torch.distributed.checkpoint`` as one chunk of the whole.
 
 A sharded tensor reaches the host as its shards (one replica of each), never put
-together: a checkpoint key that is a slice of a stacked body weight becomes the
-boxes of the key's tensor that each shard covers (:func:`flat_boxes`), in the
-key's own coordinates, so the checkpoint stays layout-free: a load (of any
+together, and only when DCP writes its chunks, tensor after tensor, so that a
+blocking save holds about one tensor's shards at a time. A checkpoint key that is
+a slice of a stacked body weight becomes the boxes of the key's tensor that each
+shard covers (:func:`flat_boxes`), in the key's own coordinates, so the checkpoint
+stays layout-free: a load (of any
 layout, or of the plain model) reads the chunks that overlap each tensor it fills.
 DCP's planner validates at save time that each tensor's chunks tile it with no
 gap and no overlap.
@@ -13,35 +15,71 @@ gap and no overlap.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
+
+import queue
+from collections.abc import Iterator
 
 import torch
+from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
-from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, TensorWriteData, WriteItem, WriteItemType
 
-from xpipe._xla import Shard
+from xpipe._xla import HostShards
 
-Piece = tuple[tuple[int, ...], torch.Tensor]  # (its offsets into the whole, its values)
+
+def _whole(values: torch.Tensor) -> torch.Tensor:
+    return values
 
 
 @dataclass
-class Chunks:
-    """A tensor of ``shape`` and ``dtype`` as the pieces of it this host holds."""
+class Piece:
+    """One chunk of a tensor: where it lies (``offsets``, ``sizes``) and how to read
+    its values: ``cut`` applied to shard ``shard`` of ``source``."""
 
-    shape: torch.Size
-    dtype: torch.dtype
-    pieces: list[Piece]
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    source: HostShards
+    shard: int
+    cut: Callable[[torch.Tensor], torch.Tensor] = _whole
+
+    def read(self) -> torch.Tensor:
+        return self.cut(self.source.read(self.shard))
+
+
+class Chunks:
+    """A tensor of ``shape`` and ``dtype`` as the pieces of it this host holds, read
+    from its shards only when DCP writes them (:class:`xpipe._xla.HostShards`)."""
+
+    def __init__(self, shape: torch.Size, dtype: torch.dtype, pieces: list[Piece]) -> None:
+        self.shape, self.dtype = torch.Size(shape), dtype
+        self._pieces = {torch.Size(piece.offsets): piece for piece in pieces}
+        for piece in pieces:
+            piece.source.expect_read()
 
     def __create_write_items__(self, fqn: str, _: object) -> list[WriteItem]:
         properties = TensorProperties(dtype=self.dtype)
-        return [WriteItem(index=MetadataIndex(fqn, torch.Size(offsets)), type=WriteItemType.SHARD,
-                          tensor_data=TensorWriteData(chunk=ChunkStorageMetadata(torch.Size(offsets), piece.shape),
+        return [WriteItem(index=MetadataIndex(fqn, offsets), type=WriteItemType.SHARD,
+                          tensor_data=TensorWriteData(chunk=ChunkStorageMetadata(offsets, torch.Size(piece.sizes)),
                                                       properties=properties, size=self.shape))
-                for offsets, piece in self.pieces]
+                for offsets, piece in self._pieces.items()]
 
     def piece_at(self, offsets: torch.Size) -> torch.Tensor:
-        return next(piece for at, piece in self.pieces if torch.Size(at) == offsets)
+        """The values of the piece at ``offsets``."""
+        return self._pieces[offsets].read()
+
+    def sources(self) -> list[HostShards]:
+        """The shards the pieces are read from."""
+        return list({id(piece.source): piece.source for piece in self._pieces.values()}.values())
+
+    def fetch(self) -> None:
+        """Bring every piece's values to the host now."""
+        for source in self.sources():
+            source.fetch()
 
 
 class ChunkSavePlanner(DefaultSavePlanner):
@@ -54,9 +92,64 @@ class ChunkSavePlanner(DefaultSavePlanner):
         return super().lookup_object(index)
 
 
-def from_shards(shape: torch.Size, dtype: torch.dtype, shards: list[Shard]) -> Chunks:
+MIN_FILE_BYTES = 2**20  # no checkpoint file is cut smaller than this
+
+
+class BoundedFileWriter(FileSystemWriter):
+    """DCP's file writer, one thread, starting a new file whenever one holds
+    ``file_bytes``: torch 2.9's writer keeps every tensor it has written to a file
+    until the file is closed, so the file's size, not the checkpoint's, bounds what
+    a save holds on the host."""
+
+    def __init__(self, path: str, file_bytes: int) -> None:
+        # Copying ahead would look for an accelerator's streams, and torch_xla's SPMD mode
+        # registers a device module that has none. One thread: chunks are written in the
+        # state's order (two threads sort them by size), tensor after tensor.
+        super().__init__(path, per_thread_copy_ahead=0, thread_count=1)
+        self.file_bytes = max(file_bytes, MIN_FILE_BYTES)
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner):
+        files: queue.Queue = queue.Queue()
+        for number, items in enumerate(_files_of(plan.items, self.file_bytes)):
+            name = f"{plan.storage_data.prefix}{number}{DEFAULT_SUFFIX}"
+            files.put((self.fs.concat_path(self.path, name), name, items))
+        return self._write_data(planner, files)
+
+
+def _files_of(items: list[WriteItem], file_bytes: int) -> Iterator[list[WriteItem]]:
+    """``items`` in order, cut into files of about ``file_bytes`` each."""
+    file: list[WriteItem] = []
+    size = 0
+    for item in items:
+        file.append(item)
+        if item.tensor_data is not None:
+            size += math.prod(item.tensor_data.chunk.sizes) * item.tensor_data.properties.dtype.itemsize
+        if size >= file_bytes:
+            yield file
+            file, size = [], 0
+    if file:
+        yield file
+
+
+def largest_tensor_bytes(state: dict[str, Any]) -> int:
+    """The bytes of the largest tensor (or set of one tensor's shards) a save of
+    ``state`` holds on this host: files of this size add at most as much again."""
+    largest = 0
+    for value in state.values():
+        if isinstance(value, dict):
+            largest = max(largest, largest_tensor_bytes(value))
+        elif isinstance(value, Chunks):
+            largest = max([largest, *(source.nbytes for source in value.sources())])
+        elif isinstance(value, torch.Tensor):
+            largest = max(largest, value.numel() * value.element_size())
+    return largest
+
+
+def from_shards(shape: torch.Size, dtype: torch.dtype, shards: HostShards) -> Chunks:
     """A tensor from the shards of it this host holds (:func:`xpipe._xla.host_shards`)."""
-    return Chunks(shape, dtype, [(tuple(part.start for part in index), values) for index, values in shards])
+    return Chunks(shape, dtype, [Piece(tuple(part.start for part in index), tuple(part.stop - part.start
+                                                                                  for part in index), shards, shard)
+                                 for shard, index in enumerate(shards.places)])
 
 
 def flat_boxes(shape: tuple[int, ...], start: int, stop: int) -> list[tuple[tuple[int, ...], tuple[int, ...], int]]:

@@ -9,7 +9,8 @@ import torch
 import torch_xla
 
 import xpipe
-from checkpoint_checks import assert_chunks_tile_every_tensor, no_sharded_tensor_put_together
+import xpipe.chunks
+from checkpoint_checks import assert_chunks_tile_every_tensor, held_shards, no_sharded_tensor_put_together
 from equivalence import assert_loads_exactly, step_losses
 from fresh_process import call_in_fresh_process
 from pipe_checks import batch_for, loss_of, tiny_lm
@@ -34,6 +35,11 @@ def test_resume_on_2x4_then_load_into_4x2_1x8_and_the_plain_model(tmp_path):
     call_in_fresh_process(__file__, "train_six_steps_and_save", str(tmp_path))
     # Stacked weights sharded over "stage" and replicated over "data": each chunk once.
     assert_chunks_tile_every_tensor(tmp_path / "ckpt")
+    # Read as written: at most two tensors' shards at once (AdamW's two states of one
+    # weight are written side by side), in files of at most a few chunks.
+    peak, largest, total = torch.load(tmp_path / "held.pt")
+    assert 0 < largest <= peak <= 2 * largest < total / 4, (peak, largest, total)
+    assert len(list((tmp_path / "ckpt").glob("*.distcp"))) > 4
     saved = torch.load(tmp_path / "weights.pt")
     resumed, optimizer = make(tiny_lm(), 4, 2)
     assert xpipe.load(tmp_path / "ckpt", resumed, optimizer) == (6, None)
@@ -72,8 +78,11 @@ def train_six_steps_and_save(folder: str) -> None:
     start = torch.load(Path(folder) / "start.pt", weights_only=False)
     pipe, optimizer = make(start["model"], 4, 2)
     torch.save(step_losses(pipe, optimizer, start["data"][:6]), Path(folder) / "losses.pt")
-    with no_sharded_tensor_put_together():
+    xpipe.chunks.MIN_FILE_BYTES = 0  # files of one tensor's size: the load reads across many
+    with no_sharded_tensor_put_together(), held_shards() as held:
         xpipe.save(Path(folder) / "ckpt", pipe, optimizer, step=6)
+    total = 3 * sum(value.numel() * value.element_size() for value in pipe.state_dict().values())
+    torch.save((held.peak, held.largest, total), Path(folder) / "held.pt")
     torch.save(pipe.host_state_dict(), Path(folder) / "weights.pt")
 
 

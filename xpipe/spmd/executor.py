@@ -30,8 +30,8 @@ from torch_xla.experimental.scan import scan
 
 from xpipe._batch import check_outputs
 from xpipe._batchnorm import RunningStatistics
-from xpipe._xla import Shard, host_shards, to_host
-from xpipe.chunks import Chunks, flat_boxes, from_shards
+from xpipe._xla import HostShards, host_shards, to_host
+from xpipe.chunks import Chunks, Piece, flat_boxes, from_shards
 from xpipe.checkpoint import kept_cells, recompute
 from xpipe.layout import stored_shape
 from xpipe.schedule import Schedule, circular, gpipe
@@ -146,7 +146,7 @@ class SpmdPipeline(nn.Module):
                 for name, place in self._places_in(parameter)]
 
     def named_chunks(self, parameter: torch.Tensor, tensor: torch.Tensor,
-                     shards: list[Shard]) -> list[tuple[str, Chunks]]:
+                     shards: HostShards) -> list[tuple[str, Chunks]]:
         """:meth:`named_slices` of ``tensor`` (shaped like ``parameter``) from the shards
         of it this host holds (:func:`xpipe._xla.host_shards`): each name's part as the
         pieces those shards cover, nothing put together."""
@@ -155,17 +155,22 @@ class SpmdPipeline(nn.Module):
                 for name, place in self._places_in(parameter)]
 
     def state_chunks(self, keys: list[str]) -> dict[str, Chunks]:
-        """``state_dict`` keys ``keys`` as the pieces this host holds of them: each stacked
-        tensor's shards are fetched once and cut into its blocks' boxes, never put together."""
+        """``state_dict`` keys ``keys`` as the pieces this host holds of them, never put
+        together: each stacked tensor's shards are read once and cut into its blocks'
+        boxes. The keys come grouped by the tensor that holds them, so that DCP, which
+        writes in this order, holds one tensor's shards at a time."""
         places = {key: self.body.block_place(*self._sources[key]) if isinstance(self._sources[key], tuple) else None
                   for key in keys}
         holders = {id(place[0]): place[0] for place in places.values() if place is not None}
         singles = {key: self.state_tensor(key) for key, place in places.items() if place is None}
-        fetched = iter(host_shards([*holders.values(), *singles.values()]))
-        stacked = {holder: next(fetched) for holder in holders}
-        single = {key: from_shards(value.shape, value.dtype, next(fetched)) for key, value in singles.items()}
-        return {key: single[key] if place is None else self.body.block_chunks(place[2], place[1], stacked[id(place[0])])
-                for key, place in places.items()}
+        held = iter(host_shards([*holders.values(), *singles.values()]))
+        stacked = {holder: next(held) for holder in holders}
+        single = {key: from_shards(value.shape, value.dtype, next(held)) for key, value in singles.items()}
+        rank = {holder: position for position, holder in enumerate(holders)}
+        grouped = sorted(keys, key=lambda key: -1 if places[key] is None else rank[id(places[key][0])])
+        return {key: single[key] if places[key] is None
+                else self.body.block_chunks(places[key][2], places[key][1], stacked[id(places[key][0])])
+                for key in grouped}
 
     def _places_in(self, parameter: torch.Tensor) -> list[tuple[str, tuple[int, tuple[int, int]] | None]]:
         """The names ``parameter`` holds, each with where: (block parameter index,
@@ -412,7 +417,7 @@ class StackedWeights(nn.Module):
             holder = getattr(self, _attribute(name) + "__frozen")
         return holder, (stage, slot), index
 
-    def block_chunks(self, index: int, at: tuple[int, int], shards: list[Shard]) -> Chunks:
+    def block_chunks(self, index: int, at: tuple[int, int], shards: HostShards) -> Chunks:
         """Block parameter ``index`` of slot ``at`` (stage, slot), in its own shape, as the
         pieces that ``shards`` of its stacked tensor (or of a tensor shaped like it) cover:
         each shard's flat range of the slot, as boxes of the stored shape, moved back to
@@ -421,20 +426,18 @@ class StackedWeights(nn.Module):
         stored = stored_shape(shape, dim) or (1,)  # a 0-dim parameter is stored as one element
         axes = tuple(range(len(shape))) if dim is None else (dim, *(d for d in range(len(shape)) if d != dim))
         pieces = []
-        for (stages, slots, flat), values in shards:
+        for shard, (stages, slots, flat) in enumerate(shards.places):
             if not (stages.start <= at[0] < stages.stop and slots.start <= at[1] < slots.stop):
                 continue
-            row = values[at[0] - stages.start, at[1] - slots.start]
+            row = (at[0] - stages.start, at[1] - slots.start)
             for offsets, sizes, first in flat_boxes(stored, flat.start, flat.stop):
-                piece = row[first - flat.start:first - flat.start + math.prod(sizes)].view(sizes)
                 placed = [0] * len(shape)
                 for axis, offset in zip(axes, offsets):
                     placed[axis] = offset
-                if not shape:
-                    piece = piece.view(())
-                elif dim not in (None, 0):
-                    piece = piece.movedim(0, dim)
-                pieces.append((tuple(placed), piece))
+                moved = [sizes[axes.index(axis)] for axis in range(len(shape))]
+                cut = partial(_block_piece, row=row, start=first - flat.start, sizes=sizes, shape=shape,
+                                        dim=dim)
+                pieces.append(Piece(tuple(placed), tuple(moved), shards, shard, cut))
         return Chunks(torch.Size(shape), self.weights[index].dtype, pieces)
 
     def block_grad(self, index: int, block: int) -> torch.Tensor | None:
@@ -492,3 +495,13 @@ def _first_kept_clock(schedule: Schedule, checkpoint: str) -> int:
     rows = schedule.forward_clocks()
     return next((clock for clock, row in enumerate(rows)
                  if any(a is not None and (a.stage, a.microbatch) in kept for a in row)), len(rows))
+
+
+def _block_piece(values: torch.Tensor, *, row: tuple[int, int], start: int, sizes: tuple[int, ...],
+                 shape: tuple[int, ...], dim: int | None) -> torch.Tensor:
+    """The box of ``sizes`` that starts ``start`` elements into slot ``row`` of a stacked
+    shard's ``values``, in the parameter's own dims (``shape``; stored with ``dim`` first)."""
+    piece = values[row][start:start + math.prod(sizes)].view(sizes)
+    if not shape:
+        return piece.view(())
+    return piece.movedim(0, dim) if dim not in (None, 0) else piece

@@ -17,8 +17,9 @@ optimizer has state). Timed, median of 9 after one warm-up each:
 
 Then the growth of the process's resident memory during blocking saves (median
 of 3), beside the checkpoint's tensor bytes: what a save costs the host. Give
-``--width 1024`` for a checkpoint whose state is large next to each shard
-(291 MiB of weights and AdamW state).
+``--blocks 16`` for a checkpoint whose state is large next to what a save reads
+at once (one slot of a stacked weight: four blocks per stage), ``--width 1024``
+for a large one (1158 MiB of weights and AdamW state).
 """
 
 from __future__ import annotations

@@ -177,11 +177,22 @@ class HostShards:
     Nothing is put together: a checkpoint writes the shards as they are
     (:mod:`xpipe.chunks`)."""
 
-    def __init__(self, tensor: torch.Tensor, places: list[tuple[slice, ...]], sharded: bool) -> None:
+    def __init__(self, tensor: torch.Tensor, places: list[tuple[slice, ...]], sharded: bool,
+                 narrowed: tuple[int, int] | None = None) -> None:
         self.places = places
-        self._tensor, self._sharded = tensor, sharded
+        self._tensor, self._sharded, self._narrowed = tensor, sharded, narrowed
         self._values: list[torch.Tensor] | None = None
         self._reads = 0
+
+    def narrowed(self, dim: int, index: int) -> HostShards:
+        """The shards of ``index`` along ``dim`` (a dim no shard splits), as places in
+        the whole tensor; fetched through a slice on the devices, so that only that
+        part reaches the host (a stacked weight, one block slot at a time)."""
+        if not self._sharded:
+            return self
+        places = [tuple(slice(index, index + 1) if axis == dim else part for axis, part in enumerate(place))
+                  for place in self.places]
+        return HostShards(self._tensor, places, True, (dim, index))
 
     @property
     def nbytes(self) -> int:
@@ -195,9 +206,12 @@ class HostShards:
 
     def fetch(self) -> None:
         """Bring the values to the host now (a background save copies before it returns)."""
-        if self._values is None:
-            self._values = _fetched(self._tensor, self.places) if self._sharded \
-                else [self._tensor.to("cpu", copy=True)]
+        if self._values is None and not self._sharded:
+            self._values = [self._tensor.to("cpu", copy=True)]
+        elif self._values is None:
+            on_devices = self._tensor if self._narrowed is None else _narrowed_on_devices(self._tensor,
+                                                                                          *self._narrowed)
+            self._values = _fetched(on_devices, self.places)
 
     def read(self, shard: int) -> torch.Tensor:
         """Shard ``shard``'s values, on the CPU."""
@@ -240,8 +254,22 @@ def _fetched(tensor: torch.Tensor, places: list[tuple[slice, ...]]) -> list[torc
     """The values of ``tensor``'s shards at ``places``, on the CPU (the other replicas'
     copies, which torch_xla hands over with them, dropped at once)."""
     shards = _local_shards([tensor])[0]
+    if len(shards) != len(places):
+        raise RuntimeError(f"a tensor came to the host as {len(shards)} shards, not the {len(places)} its sharding "
+                           "gave; its sharding changed during the save")
     return [data[tuple(slice(0, part.stop - part.start) for part in index)]
             for (data, _), index in zip(shards, places)]
+
+
+def _narrowed_on_devices(tensor: torch.Tensor, dim: int, index: int) -> torch.Tensor:
+    """Index ``index`` of ``tensor``'s ``dim`` as a tensor on the devices, sharded as
+    ``tensor`` is: one small program per shape (the index is an input, not a constant)."""
+    import torch_xla
+
+    part = torch.index_select(tensor, dim, torch.tensor([index], device=tensor.device))
+    torch_xla._XLAC._xla_mark_sharding(part, torch_xla._XLAC._get_xla_op_sharding(tensor))
+    torch_xla._XLAC._xla_sync_multi([part], devices=[], wait=True)
+    return part
 
 
 def _synced_sharded(tensors: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -267,6 +267,9 @@ def _named_optimizer_state(pipe: nn.Module, optimizer: torch.optim.Optimizer) ->
                                      "optimizers whose per-parameter state is tensors (SGD, Adam, AdamW, ...)")
                 pending.append((parameter, key, value))
         groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": names})
+    # States shaped like their parameter first: they set the order of the names, which the
+    # runner gives in the order a save reads them (a stacked tensor slot by slot).
+    pending.sort(key=lambda entry: entry[2].shape != entry[0].shape)
     state: dict[str, dict[str, Chunks | torch.Tensor]] = {}
     shards = host_shards([value for _, _, value in pending])  # this host's, one replica each, read as written
     for (parameter, key, value), held in zip(pending, shards):

@@ -35,7 +35,7 @@ def test_resume_on_2x4_then_load_into_4x2_1x8_and_the_plain_model(tmp_path):
     call_in_fresh_process(__file__, "train_six_steps_and_save", str(tmp_path))
     # Stacked weights sharded over "stage" and replicated over "data": each chunk once.
     assert_chunks_tile_every_tensor(tmp_path / "ckpt")
-    # Read as written: at most two tensors' shards at once (AdamW's two states of one
+    # Read as written: at most two slots of stacked tensors at once (AdamW's two states of one
     # weight are written side by side), in files of at most a few chunks.
     peak, largest, total = torch.load(tmp_path / "held.pt")
     assert 0 < largest <= peak <= 2 * largest < total / 4, (peak, largest, total)

@@ -149,16 +149,26 @@ class SpmdPipeline(nn.Module):
                      shards: HostShards) -> list[tuple[str, Chunks]]:
         """:meth:`named_slices` of ``tensor`` (shaped like ``parameter``) from the shards
         of it this host holds (:func:`xpipe._xla.host_shards`): each name's part as the
-        pieces those shards cover, nothing put together."""
-        return [(name, from_shards(tensor.shape, tensor.dtype, shards) if place is None
-                 else self.body.block_chunks(place[0], place[1], shards))
-                for name, place in self._places_in(parameter)]
+        pieces those shards cover, nothing put together; a stacked tensor's names
+        slot by slot (see :meth:`state_chunks`)."""
+        slots: dict[int, HostShards] = {}
+        named = []
+        for name, place in sorted(self._places_in(parameter), key=lambda pair: _slot_order(pair[1])):
+            if place is None:
+                named.append((name, from_shards(tensor.shape, tensor.dtype, shards)))
+                continue
+            index, (stage, slot) = place
+            if slot not in slots:
+                slots[slot] = shards.narrowed(1, slot)
+            named.append((name, self.body.block_chunks(index, (stage, slot), slots[slot])))
+        return named
 
     def state_chunks(self, keys: list[str]) -> dict[str, Chunks]:
         """``state_dict`` keys ``keys`` as the pieces this host holds of them, never put
-        together: each stacked tensor's shards are read once and cut into its blocks'
-        boxes. The keys come grouped by the tensor that holds them, so that DCP, which
-        writes in this order, holds one tensor's shards at a time."""
+        together. A stacked tensor reaches the host one slot at a time (that slot of
+        every stage), cut into its blocks' boxes; the keys come grouped by the tensor
+        and slot that hold them, so that DCP, which writes in this order, holds one
+        slot of one tensor at a time."""
         places = {key: self.body.block_place(*self._sources[key]) if isinstance(self._sources[key], tuple) else None
                   for key in keys}
         holders = {id(place[0]): place[0] for place in places.values() if place is not None}
@@ -166,11 +176,22 @@ class SpmdPipeline(nn.Module):
         held = iter(host_shards([*holders.values(), *singles.values()]))
         stacked = {holder: next(held) for holder in holders}
         single = {key: from_shards(value.shape, value.dtype, next(held)) for key, value in singles.items()}
+        by_slot = {(holder, slot): shards.narrowed(1, slot) for holder, shards in stacked.items()
+                   for slot in {place[1][1] for place in places.values() if place is not None}}
         rank = {holder: position for position, holder in enumerate(holders)}
-        grouped = sorted(keys, key=lambda key: -1 if places[key] is None else rank[id(places[key][0])])
-        return {key: single[key] if places[key] is None
-                else self.body.block_chunks(places[key][2], places[key][1], stacked[id(places[key][0])])
-                for key in grouped}
+
+        def order(key: str) -> tuple[int, ...]:
+            place = places[key]
+            return (-1,) if place is None else (rank[id(place[0])], *_slot_order((place[2], place[1])))
+
+        chunks = {}
+        for key in sorted(keys, key=order):
+            if places[key] is None:
+                chunks[key] = single[key]
+                continue
+            holder, (stage, slot), index = places[key]
+            chunks[key] = self.body.block_chunks(index, (stage, slot), by_slot[id(holder), slot])
+        return chunks
 
     def _places_in(self, parameter: torch.Tensor) -> list[tuple[str, tuple[int, tuple[int, int]] | None]]:
         """The names ``parameter`` holds, each with where: (block parameter index,
@@ -495,6 +516,12 @@ def _first_kept_clock(schedule: Schedule, checkpoint: str) -> int:
     rows = schedule.forward_clocks()
     return next((clock for clock, row in enumerate(rows)
                  if any(a is not None and (a.stage, a.microbatch) in kept for a in row)), len(rows))
+
+
+def _slot_order(place: tuple[int, tuple[int, int]] | None) -> tuple[int, int]:
+    """Where a block's name goes in a save: slot by slot, then stage by stage (each
+    slot of a stacked tensor reaches the host on its own)."""
+    return (-1, -1) if place is None else (place[1][1], place[1][0])
 
 
 def _block_piece(values: torch.Tensor, *, row: tuple[int, int], start: int, sizes: tuple[int, ...],

@@ -4,10 +4,14 @@ Captured with torch.export on a sample batch; their decoder layers are stacked
 over the "stage" axis. The attention mask (one row per batch row) travels with
 its microbatch inside the stream; the rotary tables (the same for every row) are
 held whole by every stage. One training step against the model unpipelined on
-the CPU: output or loss, and every gradient, rtol 1e-4 in float32.
+the CPU: output or loss, and every gradient, rtol 1e-4 in float32. Last,
+``examples/hf_llama.py`` as written.
 """
 
 import copy
+import importlib.util
+import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -191,3 +195,19 @@ def test_token_ids_of_another_shape_are_refused_naming_the_input():
         with pytest.raises(ValueError, match=rf"x: input 'input_ids' has shape {shape}, and the model was captured "
                                              r"by torch.export on sample_input with shape \[':', 8\]"):
             pipe(input_ids=ids)
+
+
+LLAMA_EXAMPLE = Path(__file__).parents[2] / "examples" / "hf_llama.py"
+
+
+def test_the_llama_example_learns_on_a_2x4_mesh():
+    """``examples/hf_llama.py`` runs as written: a Hugging Face Llama on a 2 x 4 mesh,
+    its padding mask travelling with the microbatches; the copy task's loss falls
+    (measured when written: 3.49 at the first step, 1.22 at step 60, 0.51 at step 80)."""
+    spec = importlib.util.spec_from_file_location("hf_llama", LLAMA_EXAMPLE)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    losses = example.main(steps=60)
+    assert all(math.isfinite(loss) for loss in losses), losses
+    assert losses[0] > math.log(example.VOCAB) - 0.5, losses  # random init: about ln(32) = 3.47
+    assert min(losses[-5:]) < losses[0] - 1.5, losses  # 3.49 -> 1.22 at step 60 when written

@@ -39,6 +39,7 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 import torch_xla.core.xla_model as xm
+import torch_xla.runtime as xr
 from torch import nn
 
 from xpipe._xla import HostShards, host_shards, shard_like, to_host
@@ -73,6 +74,7 @@ def save(path: str | os.PathLike, pipe: nn.Module, optimizer: torch.optim.Optimi
         stopped the write (``path`` then still holds the previous checkpoint).
     """
     path = Path(path)
+    _check_one_process()
     _check_replaceable(path)
     _pickled(extra)  # refused before any device work
     tensors: dict[str, Any] = {"model": _host_state(pipe)}
@@ -96,6 +98,18 @@ def _fetch(tensors: dict[str, Any]) -> None:
             value.fetch()
         elif isinstance(value, dict):
             _fetch(value)
+
+
+def _check_one_process() -> None:
+    """Raise on a run of several processes (a pod's hosts): each would write its own
+    shards to a staging directory of its own and put it in place of the others', so
+    the checkpoint would hold one host's shards and lose the rest."""
+    processes = xr.process_count()
+    if processes > 1:
+        raise RuntimeError(f"xpipe.save: this run has {processes} processes (hosts), and writing one checkpoint "
+                           "from several hosts is not built yet: each host would replace the checkpoint with its "
+                           "own shards. Until it is, save from process 0 with torch.save(pipe.host_state_dict(), "
+                           "path) (it gathers each tensor whole), or save from a single-host run")
 
 
 def _check_replaceable(path: Path) -> None:

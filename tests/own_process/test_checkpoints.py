@@ -189,6 +189,16 @@ def test_a_save_never_moves_or_deletes_a_users_files(tmp_path):
     assert xpipe.load(tmp_path / "ckpt", pipe, optimizer)[0] == 2 and xpipe.load(empty, pipe)[0] is None
 
 
+def test_a_save_on_several_processes_is_refused_before_it_writes(tmp_path, monkeypatch):
+    """Each host would put its own shards in place of the others': refused, nothing written."""
+    pipe, optimizer = make(small_cnn())
+    monkeypatch.setattr(checkpoints.xr, "process_count", lambda: 2)
+    with pytest.raises(RuntimeError, match=r"this run has 2 processes \(hosts\), and writing one checkpoint from "
+                                           r"several hosts is not built yet"):
+        xpipe.save(tmp_path / "ckpt", pipe, optimizer)
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_a_load_into_another_kind_of_optimizer_changes_nothing(tmp_path):
     """SGD's state into AdamW: refused by the recorded kind, and (for a checkpoint that
     does not record it) by the state's keys, or rolled back when torch refuses it."""

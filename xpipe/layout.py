@@ -1,9 +1,10 @@
-"""Mesh layouts as plain data: the sizes of a mesh's axes, and the rule that says
-over which axes each kind of weight is sharded.
+"""Mesh layouts as plain data: the sizes of a mesh's axes, the rule that says over
+which axes each kind of weight is sharded, and how blocks and microbatches fill
+the stages.
 
 Pure: no torch_xla. The spmd executor places tensors by these rules
-(:mod:`xpipe.spmd.placement`) and the memory model (:mod:`xpipe.memory`) counts
-bytes by the same ones, so the two cannot drift apart.
+(:mod:`xpipe.spmd.placement`) and the memory model (:mod:`xpipe.memory`) and the
+planner count by the same ones, so they cannot drift apart.
 """
 
 from __future__ import annotations
@@ -99,3 +100,14 @@ def shard_numel(shape: tuple[int, ...], spec: Spec, axes: MeshAxes) -> int:
         ways = axes.size(names)
         count *= -(-size // ways)
     return count
+
+
+def spread(blocks: int, stages: int) -> tuple[int, ...]:
+    """Blocks per stage, as even as possible, extra blocks on the first stages."""
+    return tuple(blocks // stages + (stage < blocks % stages) for stage in range(stages))
+
+
+def microbatch_slots(chunks: int, stages: int) -> int:
+    """Microbatches per stage in the spmd executor's slot buffer: ``chunks`` rounded up
+    to fill every stage's slots (it runs ``stages`` times as many)."""
+    return -(-chunks // stages)

@@ -34,11 +34,12 @@ from xpipe.checkpoint import check_mode
 from xpipe.chunks import Chunks
 from xpipe.devices.executor import DevicesPipeline
 from xpipe.devices.stages import cut_into_stages
+from xpipe.layout import spread
 from xpipe.mesh import axes_of, make_mesh, mesh_axes, spmd_device
 from xpipe.partition import Partition, partition, rebalanced
 from xpipe.schedule import Schedule, by_name
 from xpipe.spmd.executor import SCHEDULES as SPMD_SCHEDULES
-from xpipe.spmd.executor import SpmdPipeline, spread
+from xpipe.spmd.executor import SpmdPipeline
 from xpipe.spmd.stacking import cut_for_stacking
 from xpipe.tensor_rules import check_head_counts, check_rules
 

@@ -24,7 +24,7 @@ from torch import nn
 
 from xpipe._checks import check_positive_int
 from xpipe.checkpoint import MODES, kept_cells
-from xpipe.layout import MeshAxes
+from xpipe.layout import MeshAxes, microbatch_slots, spread
 from xpipe.memory import per_device
 from xpipe.profile import ModelProfile, profile_of_config, profile_of_model
 from xpipe.schedule import Schedule, circular, gpipe
@@ -268,8 +268,9 @@ def predict(profile: ModelProfile, layout: Layout, *, chip: Chip, batch: int, ca
     itemsize = profile.itemsize if itemsize is None else itemsize
     profile = profile.scaled(itemsize)
     axes = layout.axes
-    schedule = _schedule(layout.schedule, layout.stages, _padded(layout.chunks, layout.stages), layout.virtual)
-    depth = -(-profile.blocks // (layout.stages * layout.virtual))  # block slots per model stage
+    chunks = layout.stages * microbatch_slots(layout.chunks, layout.stages)  # as the executor runs them
+    schedule = _schedule(layout.schedule, layout.stages, chunks, layout.virtual)
+    depth = max(spread(profile.blocks, layout.stages * layout.virtual))  # block slots per model stage
     names, shapes = zip(*profile.block_weights)
     split = [dim is not None for dim in tensor_dims(names, shapes, layout.tensor, tensor_rules)]
     stacked = [(layout.stages, layout.virtual * depth, math.prod(shape)) for shape in shapes]
@@ -292,7 +293,7 @@ def _activation_bytes(profile: ModelProfile, layout: Layout, schedule: Schedule,
     recomputed cell's working set, and the layers around the body on the device's rows."""
     stream = rows * profile.stream_bytes_per_row
     cell = depth * rows * profile.block_saved_bytes_per_row / layout.tensor  # one stage's blocks, one microbatch
-    slots = -(-layout.chunks // layout.stages)
+    slots = microbatch_slots(layout.chunks, layout.stages)
     cells = schedule.chunks * layout.virtual  # per rank
     busiest = 0
     for keeps in _kept_per_rank(schedule, layout.checkpoint):
@@ -361,11 +362,6 @@ def _recomputes(schedule: Schedule, checkpoint: str) -> bool:
 @functools.cache
 def _schedule(name: str, stages: int, chunks: int, virtual: int) -> Schedule:
     return gpipe(stages, chunks) if name == "gpipe" else circular(stages, chunks, virtual)
-
-
-def _padded(chunks: int, stages: int) -> int:
-    """Microbatches the spmd executor runs: ``chunks`` rounded up to a multiple of ``stages``."""
-    return -(-chunks // stages) * stages
 
 
 def _divisors(n: int) -> list[int]:

@@ -44,6 +44,7 @@ import numpy as np
 import torch
 
 from xpipe.collectives import rotate, shift
+from xpipe.layout import microbatch_slots
 from xpipe.schedule import FORWARD, Schedule
 
 
@@ -75,7 +76,8 @@ def make_layout(batch: int, chunks: int, stages: int, data: int) -> Layout:
     padded with copies of its last row, which only the stacked body sees: the layers before
     and after it, and the output, get exactly the rows given.
     """
-    return Layout(stages, data, chunks, -(-chunks // stages), max(1, -(-batch // (chunks * data))), batch)
+    return Layout(stages, data, chunks, microbatch_slots(chunks, stages), max(1, -(-batch // (chunks * data))),
+                  batch)
 
 
 def to_slots(x: torch.Tensor, layout: Layout, microbatched: bool) -> torch.Tensor:

@@ -33,7 +33,7 @@ from xpipe._batchnorm import RunningStatistics
 from xpipe._xla import HostShards, host_shards, to_host
 from xpipe.chunks import Chunks, Piece, flat_boxes, from_shards
 from xpipe.checkpoint import kept_cells, recompute
-from xpipe.layout import stored_shape
+from xpipe.layout import spread, stored_shape
 from xpipe.schedule import Schedule, circular, gpipe
 from xpipe.spmd.conveyor import Layout, column_tables, from_slots, make_layout, make_tick, to_slots
 from xpipe.spmd.dropout import cell_keys, hashed_dropout
@@ -497,11 +497,6 @@ def _state_sources(stacked: StackedModel, keys: dict[str, tuple[str, ...]]
     if unused:
         raise ValueError(f"module: {unused} are never used by forward; remove them before pipelining")
     return sources, traced_name
-
-
-def spread(blocks: int, stages: int) -> tuple[int, ...]:
-    """Blocks per stage, as even as possible, extra blocks on the first stages."""
-    return tuple(blocks // stages + (stage < blocks % stages) for stage in range(stages))
 
 
 def _as_tuple(value) -> tuple:

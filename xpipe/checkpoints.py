@@ -183,6 +183,8 @@ def _write(path: Path, tensors: dict[str, Any], training: bytes, layout: dict[st
             "files": {name: _checksum(staging / name) for name in sorted(os.listdir(staging))},
         }
         (staging / MANIFEST).write_text(json.dumps(manifest, indent=1))
+        for written in (staging / TRAINING, staging / MANIFEST, staging):  # DCP syncs its own files
+            _fsync(written)
         _replace(path, staging)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
@@ -374,13 +376,25 @@ def _checksum(file: Path) -> str:
     return f"{crc:08x}"
 
 
+def _fsync(path: Path) -> None:
+    """Make ``path`` (a file, or a directory's entries) durable: after a power loss the
+    new checkpoint is whole, or the previous one is still in place."""
+    descriptor = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
+
+
 def _replace(path: Path, staging: Path) -> None:
-    """Put the complete checkpoint ``staging`` at ``path``; the old one goes only after."""
+    """Put the complete checkpoint ``staging`` at ``path``; the old one goes only after
+    the rename is durable."""
     retired = None
     if path.exists():
         retired = path.with_name(f".{path.name}.{os.getpid()}.replaced")
         os.rename(path, retired)
     os.rename(staging, path)
+    _fsync(path.parent)
     if retired is not None:
         shutil.rmtree(retired)
 

@@ -7,6 +7,7 @@ resumed losses and weights within 1e-6 relative of the uninterrupted run.
 """
 
 import copy
+import os
 from pathlib import Path
 
 import pytest
@@ -187,6 +188,24 @@ def test_a_save_never_moves_or_deletes_a_users_files(tmp_path):
     empty.mkdir()
     xpipe.save(empty, pipe)
     assert xpipe.load(tmp_path / "ckpt", pipe, optimizer)[0] == 2 and xpipe.load(empty, pipe)[0] is None
+
+
+def test_every_file_and_the_rename_are_made_durable_before_the_old_checkpoint_goes(tmp_path, monkeypatch):
+    """After a power loss the new checkpoint is whole or the old one is still there."""
+    pipe, optimizer = make(small_cnn())
+    xpipe.save(tmp_path / "ckpt", pipe, optimizer, step=1)
+    synced, removed = [], []
+    original_fsync, original_rmtree = checkpoints.os.fsync, checkpoints.shutil.rmtree
+    monkeypatch.setattr(checkpoints.os, "fsync", lambda fd: (synced.append(Path(os.readlink(f"/proc/self/fd/{fd}"))),
+                                                             original_fsync(fd)))
+    monkeypatch.setattr(checkpoints.shutil, "rmtree", lambda path, **kw: (removed.append(len(synced)),
+                                                                          original_rmtree(path, **kw)))
+    xpipe.save(tmp_path / "ckpt", pipe, optimizer, step=2)
+    names = {path.name for path in synced}
+    assert {"manifest.json", "training.pt", ".metadata.tmp"} <= names, names  # DCP renames it to .metadata
+    assert any(name.endswith(".distcp") for name in names), names
+    assert synced[removed[0] - 1] == tmp_path.resolve()  # the rename is durable before the old checkpoint is removed
+    assert xpipe.load(tmp_path / "ckpt", pipe, optimizer)[0] == 2
 
 
 def test_a_save_on_several_processes_is_refused_before_it_writes(tmp_path, monkeypatch):

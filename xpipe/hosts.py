@@ -25,6 +25,8 @@ import torch_xla
 import torch_xla.distributed.spmd as xs
 import torch_xla.runtime as xr
 
+from xpipe._checks import check_positive_int
+
 
 @dataclass(frozen=True)
 class Hosts:
@@ -35,8 +37,7 @@ class Hosts:
     count: int
 
     def __post_init__(self) -> None:
-        if isinstance(self.count, bool) or not isinstance(self.count, int) or self.count < 1:
-            raise ValueError(f"count: must be a positive integer, got {self.count!r}")
+        check_positive_int(self.count, "count")
         if isinstance(self.index, bool) or not isinstance(self.index, int) or not 0 <= self.index < self.count:
             raise ValueError(f"index: must be a host number in [0, {self.count}), got {self.index!r}")
 

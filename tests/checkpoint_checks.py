@@ -1,6 +1,7 @@
 """What a checkpoint written shard by shard must hold: every chunk of every tensor
 exactly once, no empty file, no sharded tensor put together on the host, and the
-shards on the host one tensor's at a time, not the model's."""
+shards on the host one tensor's at a time, not the model's; and a load that fills
+each device's shard from a buffer of that shard, not from the whole tensor."""
 
 import contextlib
 import itertools
@@ -102,3 +103,47 @@ def held_shards():
         yield record
     finally:
         xpipe._xla.HostShards.fetch, xpipe._xla.HostShards.read = original_fetch, original_read
+
+
+@contextlib.contextmanager
+def loaded_from_shards():
+    """Fail if a load hands a Pipe whole tensors (``Pipe.load_state_dict``, which sends
+    each to every device); yield the loads from shard buffers, as (the tensor's shape,
+    whether it is tiled, the shapes of its places), in order."""
+    loads = []
+    original_load_into, original_to_device = xpipe._xla.ShardBuffers.load_into, xpipe._xla.ShardBuffers.to_device
+    original_load_state_dict = xpipe.Pipe.load_state_dict
+
+    def record(buffers, shape):
+        places = [tuple(part.stop - part.start for part in place) for place in buffers.places]
+        loads.append((tuple(shape), buffers._sharded, places))
+
+    def load_into(self, tensor):
+        record(self, tensor.shape)
+        original_load_into(self, tensor)
+
+    def to_device(self):
+        tensor = original_to_device(self)
+        record(self, tensor.shape)
+        return tensor
+
+    def load_state_dict(*_, **__):
+        raise AssertionError("a load sent whole tensors to a Pipe's devices (Pipe.load_state_dict)")
+
+    xpipe._xla.ShardBuffers.load_into, xpipe._xla.ShardBuffers.to_device = load_into, to_device
+    xpipe.Pipe.load_state_dict = load_state_dict
+    try:
+        yield loads
+    finally:
+        xpipe._xla.ShardBuffers.load_into, xpipe._xla.ShardBuffers.to_device = original_load_into, original_to_device
+        xpipe.Pipe.load_state_dict = original_load_state_dict
+
+
+def assert_each_device_loaded_its_shard(loads) -> None:
+    """Every tiled tensor of ``loads`` (:func:`loaded_from_shards`) came from buffers of
+    its shards' places, which tile it once: none was put together whole on the host."""
+    tiled = [(shape, places) for shape, is_tiled, places in loads if is_tiled]
+    assert tiled, "no tensor was loaded from its shards"
+    for shape, places in tiled:
+        assert len(places) > 1 and all(math.prod(place) < math.prod(shape) for place in places), (shape, places)
+        assert sum(math.prod(place) for place in places) == math.prod(shape), (shape, places)

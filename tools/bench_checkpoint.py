@@ -1,4 +1,5 @@
-"""How long ``xpipe.save`` takes next to ``torch.save`` of the plain model's state dict.
+"""How long ``xpipe.save`` and ``xpipe.load`` take next to ``torch.save`` and
+``torch.load`` of the same state, and what they cost the host's memory.
 
     python tools/bench_checkpoint.py
 
@@ -6,17 +7,21 @@ The 8-block transformer LM (width 256, vocab 256, seq 128) as a Pipe on a
 2 (data) x 4 (stage) mesh of 8 emulated devices, after one AdamW step (so the
 optimizer has state). Timed, median of 9 after one warm-up each:
 
-- ``torch.save`` of the plain model's state dict (weights only, CPU tensors);
+- ``torch.save`` of the plain model's state dict (CPU tensors), alone and with
+  its AdamW's state dict (the same step taken on the plain model);
 - ``xpipe.save(path, pipe)``: weights only, fetched from the devices, unstacked,
   written with torch.distributed.checkpoint, hashed, renamed into place;
 - ``xpipe.save(path, pipe, background=True)``: the time until training may go
   on (the state copied to the host; the files are written by a thread, waited
   for outside the timing);
 - ``xpipe.save(path, pipe, optimizer)``: with AdamW's state (three times the
-  bytes), for scale.
+  bytes), beside ``torch.save`` of the plain model's and its AdamW's;
+- ``xpipe.load(path, pipe, optimizer)``, beside ``torch.load`` of the same state
+  and ``load_state_dict`` into the plain model and its AdamW.
 
-Then the growth of the process's resident memory during blocking saves (median
-of 3), beside the checkpoint's tensor bytes: what a save costs the host. Give
+Then the growth of the process's resident memory during blocking saves and
+loads (median of 3), beside the checkpoint's tensor bytes: what they cost the
+host. (On the emulation the devices' memory is the host's too.) Give
 ``--blocks 16`` for a checkpoint whose state is large next to what a save reads
 at once (one slot of a stacked weight: four blocks per stage), ``--width 1024``
 for a large one (1158 MiB of weights and AdamW state).
@@ -32,6 +37,7 @@ import statistics
 import tempfile
 import threading
 import time
+from concurrent.futures import Future
 from pathlib import Path
 
 os.environ.setdefault("PJRT_DEVICE", "CPU")
@@ -54,7 +60,7 @@ def median_seconds(action, repeats: int = 9) -> float:
         start = time.perf_counter()
         pending = action()
         times.append(time.perf_counter() - start)
-        if pending is not None:
+        if isinstance(pending, Future):
             pending.result()
     return statistics.median(times)
 
@@ -112,31 +118,57 @@ def main() -> None:
     pipe = xpipe.Pipe(model, chunks=8, mesh=xpipe.make_mesh(4, 2),
                       loss_fn=lambda logits, t: F.cross_entropy(logits.flatten(0, 1), t.flatten()))
     optimizer = torch.optim.AdamW(pipe.parameters())
+    plain_optimizer = torch.optim.AdamW(plain.parameters())
     tokens = torch.randint(0, 256, (16, 129))
     pipe.step(tokens[:, :-1], tokens[:, 1:])
     optimizer.step()
     torch_xla.sync()
+    F.cross_entropy(plain(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten()).backward()
+    plain_optimizer.step()
     weight_bytes = sum(v.numel() * v.element_size() for v in plain.state_dict().values())
+    everything_bytes = 3 * weight_bytes  # the weights and AdamW's two states
+
+    def plain_state():
+        return {"model": plain.state_dict(), "optimizer": plain_optimizer.state_dict()}
+
+    def plain_load(file: Path) -> None:
+        state = torch.load(file)
+        plain.load_state_dict(state["model"])
+        plain_optimizer.load_state_dict(state["optimizer"])
+
     with tempfile.TemporaryDirectory() as directory:
         directory = Path(directory)
-        baseline = median_seconds(lambda: torch.save(plain.state_dict(), directory / "plain.pt"))
-        weights = median_seconds(lambda: xpipe.save(directory / "weights", pipe))
-        background = median_seconds(lambda: xpipe.save(directory / "background", pipe, background=True))
-        everything = median_seconds(lambda: xpipe.save(directory / "all", pipe, optimizer, step=1))
-        weights_growth = growth_during(lambda: xpipe.save(directory / "weights", pipe))
-        everything_growth = growth_during(lambda: xpipe.save(directory / "all", pipe, optimizer, step=1))
-    everything_bytes = 3 * weight_bytes  # the weights and AdamW's two states
+        saves = [
+            ("torch.save(plain.state_dict())", median_seconds(lambda: torch.save(plain.state_dict(),
+                                                                                 directory / "plain.pt")), None),
+            ("xpipe.save(path, pipe)", median_seconds(lambda: xpipe.save(directory / "weights", pipe)), 0),
+            ("xpipe.save(path, pipe, background=True)",
+             median_seconds(lambda: xpipe.save(directory / "background", pipe, background=True)), 0),
+            ("torch.save(plain model + AdamW state)",
+             median_seconds(lambda: torch.save(plain_state(), directory / "all.pt")), None),
+            ("xpipe.save(path, pipe, optimizer)",
+             median_seconds(lambda: xpipe.save(directory / "all", pipe, optimizer, step=1)), 3),
+            ("torch.load + load_state_dict (plain model + AdamW)",
+             median_seconds(lambda: plain_load(directory / "all.pt")), None),
+            ("xpipe.load(path, pipe, optimizer)",
+             median_seconds(lambda: xpipe.load(directory / "all", pipe, optimizer)), 5),
+        ]
+        growths = [
+            ("xpipe.save(path, pipe)", growth_during(lambda: xpipe.save(directory / "weights", pipe)), weight_bytes),
+            ("xpipe.save(path, pipe, optimizer)",
+             growth_during(lambda: xpipe.save(directory / "all", pipe, optimizer, step=1)), everything_bytes),
+            ("xpipe.load(path, pipe, optimizer)",
+             growth_during(lambda: xpipe.load(directory / "all", pipe, optimizer)), everything_bytes),
+        ]
     print(f"model state: {weight_bytes / 2**20:.1f} MiB (with AdamW's state: {everything_bytes / 2**20:.1f} MiB)")
-    print("| what | seconds | / torch.save |")
+    print("| what | seconds | / torch's of the same state |")
     print("| --- | --- | --- |")
-    for name, seconds in [("torch.save(plain.state_dict())", baseline), ("xpipe.save(path, pipe)", weights),
-                          ("xpipe.save(path, pipe, background=True)", background),
-                          ("xpipe.save(path, pipe, optimizer)", everything)]:
-        print(f"| {name} | {seconds:.3f} | {seconds / baseline:.2f} |")
-    print("| blocking save | resident growth, MiB (median of 3) | / the checkpoint's tensor bytes |")
+    for name, seconds, against in saves:
+        ratio = "" if against is None else f"{seconds / saves[against][1]:.2f}"
+        print(f"| {name} | {seconds:.3f} | {ratio} |")
+    print("| resident growth during | MiB (median of 3) | / the checkpoint's tensor bytes |")
     print("| --- | --- | --- |")
-    for name, growth, size in [("xpipe.save(path, pipe)", weights_growth, weight_bytes),
-                               ("xpipe.save(path, pipe, optimizer)", everything_growth, everything_bytes)]:
+    for name, growth, size in growths:
         print(f"| {name} | {growth / 2**20:.1f} | {growth / size:.2f} |")
 
 

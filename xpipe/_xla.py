@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import re
 import weakref
 from collections.abc import Collection
 from typing import Any
@@ -195,6 +196,10 @@ class HostShards:
         return HostShards(self._tensor, places, True, (dim, index))
 
     @property
+    def dtype(self) -> torch.dtype:
+        return self._tensor.dtype
+
+    @property
     def nbytes(self) -> int:
         """The bytes of the shards' values on the host."""
         return sum(math.prod(part.stop - part.start for part in place) for place in self.places) \
@@ -221,6 +226,97 @@ class HostShards:
         if self._reads <= 0:
             self._values = None
         return value
+
+
+class ShardBuffers:
+    """Host buffers for the shards of one tensor that this host's devices hold, one per
+    place (replicas share it), zero until written: a checkpoint load fills them where
+    the saved chunks overlap them, then hands every device its own, in place
+    (:meth:`load_into`) or as a new tensor (:meth:`to_device`). Nothing is put
+    together whole on the host. ``places`` and :meth:`read` are those of
+    :class:`HostShards`, so one geometry (:mod:`xpipe.chunks`) serves saves and loads."""
+
+    def __init__(self, like: torch.Tensor, dtype: torch.dtype, places: list[tuple[slice, ...]],
+                 of_device: list[int], shard_shape: tuple[int, ...], sharded: bool) -> None:
+        self.places, self.dtype = places, dtype
+        self._like, self._of_device, self._shard_shape, self._sharded = like, of_device, shard_shape, sharded
+        self._buffers: dict[int, torch.Tensor] = {}
+
+    def expect_read(self) -> None:
+        """Nothing to count: buffers are kept until the load hands them over."""
+
+    def read(self, shard: int) -> torch.Tensor:
+        """Place ``shard``'s buffer (a writable view, padding cut off)."""
+        if shard not in self._buffers:
+            self._buffers[shard] = torch.zeros(self._shard_shape, dtype=self.dtype)
+        return self._buffers[shard][tuple(slice(0, part.stop - part.start) for part in self.places[shard])]
+
+    def _device_data(self) -> list[torch.Tensor]:
+        for shard in range(len(self.places)):
+            self.read(shard)
+        return [self._buffers[shard] for shard in self._of_device]
+
+    def load_into(self, tensor: torch.Tensor) -> None:
+        """Write the buffers into ``tensor`` (the tensor they were made for) on its devices, in place."""
+        import torch_xla
+
+        if self._sharded:
+            torch_xla._XLAC._load_local_shards(tensor, self._device_data(), torch_xla._XLAC._xla_get_runtime_devices())
+            return
+        kept = kept_shardings([tensor])  # a replicated tensor: torch_xla takes it whole
+        with torch.no_grad():
+            tensor.copy_(self._device_data()[0])
+        restore_shardings(kept)
+        if not kept:
+            torch_xla._XLAC._xla_sync_multi([tensor], devices=[], wait=True)
+
+    def to_device(self) -> torch.Tensor:
+        """The buffers as a new tensor on the devices, sharded as the tensor they were made for."""
+        import torch_xla
+
+        if not self._sharded:
+            return self._device_data()[0].to(self._like.device)
+        return torch_xla._XLAC._global_tensor_from_cpu_shards(
+            self._device_data(), torch_xla._XLAC._get_xla_op_sharding(self._like), list(self._like.shape))
+
+
+def shard_buffers(tensors: list[torch.Tensor], dtypes: list[torch.dtype] | None = None) -> list[ShardBuffers]:
+    """For each tensor, buffers for its shards on this host (:class:`ShardBuffers`), of
+    ``dtypes`` (default: each tensor's own); nothing is fetched from the devices."""
+    import torch_xla
+
+    tensors = [tensor.detach() for tensor in tensors]
+    dtypes = [tensor.dtype for tensor in tensors] if dtypes is None else dtypes
+    sharded = _synced_sharded(tensors)
+    placed = dict(zip(map(id, sharded), torch_xla._XLAC._get_local_shard_replica_and_indices(sharded)
+                      if sharded else []))
+    buffers = []
+    for tensor, dtype in zip(tensors, dtypes):
+        whole = tuple(slice(0, size) for size in tensor.shape)
+        shard_shape = _shard_shape(tensor) if id(tensor) in placed else None
+        if shard_shape is None:  # whole on every device
+            buffers.append(ShardBuffers(tensor, dtype, [whole], [0], tuple(tensor.shape), False))
+            continue
+        boxes = [_cut_to(indices, tensor.shape) for _, indices in placed[id(tensor)]]
+        numbered: dict[tuple, int] = {}  # each box once, in device order: replicas share a buffer
+        of_device = [numbered.setdefault(tuple((part.start, part.stop) for part in box), len(numbered))
+                     for box in boxes]
+        places = [tuple(slice(*bounds) for bounds in key) for key in numbered]
+        buffers.append(ShardBuffers(tensor, dtype, places, of_device, shard_shape, True))
+    return buffers
+
+
+def _shard_shape(tensor: torch.Tensor) -> tuple[int, ...] | None:
+    """The shape of each of ``tensor``'s shards on the devices, padding included, from
+    its sharding's tiles per dim (HLO's ``devices=[...]``); None if it is not tiled
+    (replicated: whole on every device)."""
+    import torch_xla
+
+    tiles = re.search(r"devices=\[([\d,]+)\]", torch_xla._XLAC._get_xla_sharding_spec(tensor))
+    if tiles is None:
+        return None
+    counts = [int(count) for count in tiles.group(1).split(",")]
+    return tuple(-(-size // count) for size, count in zip(tensor.shape, counts))
 
 
 def host_shards(tensors: list[torch.Tensor]) -> list[HostShards]:
@@ -344,10 +440,13 @@ def restore_shardings(kept: list[tuple[torch.Tensor, Any]]) -> None:
 
 def shard_like(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
     """Shard each ``tensor`` of ``(tensor, like)`` as ``like`` (an optimizer's state,
-    loaded onto the device, as its parameter) where ``like`` is sharded and they
-    have one shape; all materialized together."""
+    loaded onto the device, as its parameter) where ``like`` is sharded, they have
+    one shape and ``tensor`` is not sharded so already; all materialized together."""
+    import torch_xla
+
+    spec = torch_xla._XLAC._get_xla_sharding_spec
     restore_shardings([(tensor, sharding) for tensor, like in pairs
-                       if tensor.device.type == "xla" and tensor.shape == like.shape
+                       if tensor.device.type == "xla" and tensor.shape == like.shape and spec(tensor) != spec(like)
                        for _, sharding in kept_shardings([like])])
 
 

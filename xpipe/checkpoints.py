@@ -4,7 +4,9 @@ A checkpoint is a directory. Its tensors (the model's state and the optimizer's
 per-parameter state) are written by ``torch.distributed.checkpoint`` under the
 wrapped module's own names: the spmd executor's stacked weights, and the
 optimizer state that lives on them, are unstacked as ``pipe.state_dict()`` is,
-shard by shard (:mod:`xpipe.chunks`): no sharded tensor is put together on the host.
+and written and read shard by shard (:mod:`xpipe.chunks`): no sharded tensor is
+put together on the host, and each device's shard is loaded from the chunks that
+overlap it.
 That is what lets a checkpoint load into any layout (other stage counts, meshes,
 the other executor) and into the plain model (:func:`load_plain`). Beside them:
 ``training.pt`` (the step, the caller's ``extra``, the optimizer's param groups
@@ -31,7 +33,7 @@ import shutil
 import tempfile
 import warnings
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -43,7 +45,7 @@ import torch_xla.runtime as xr
 from torch import nn
 
 from xpipe._xla import HostShards, host_shards, shard_like, to_host
-from xpipe.chunks import BoundedFileWriter, Chunks, ChunkSavePlanner, largest_tensor_bytes
+from xpipe.chunks import BoundedFileWriter, ChunkLoadPlanner, Chunks, ChunkSavePlanner, largest_tensor_bytes
 
 FORMAT = 1
 MANIFEST = "manifest.json"
@@ -220,17 +222,17 @@ def load(path: str | os.PathLike, pipe: nn.Module,
     manifest = _checked_manifest(path)
     expected = pipe.state_dict()
     _check_matches(path, manifest, expected, optimizer)
-    tensors: dict[str, Any] = {"model": {key: torch.empty(value.shape, dtype=value.dtype)
-                                         for key, value in expected.items()}}
-    if optimizer is not None:
-        tensors["optimizer"] = _optimizer_template(path, manifest)
-    with _quiet_single_process():
-        dcp.load(tensors, checkpoint_id=path, no_dist=_single_process())
     training = torch.load(path / TRAINING, weights_only=False)
+    model, put_model_state = _model_destinations(pipe, expected)
+    tensors: dict[str, Any] = {"model": model}
+    if optimizer is not None:
+        tensors["optimizer"], optimizer_state = _optimizer_destinations(pipe, optimizer, manifest,
+                                                                         training["param_groups"], path)
+    with _quiet_single_process():
+        dcp.load(tensors, checkpoint_id=path, planner=ChunkLoadPlanner(), no_dist=_single_process())
     if optimizer is not None:  # first: it is the part that can still refuse, and then nothing has changed
-        _load_optimizer_or_change_nothing(optimizer, _positional_optimizer_state(
-            pipe, optimizer, tensors["optimizer"], training["param_groups"], path), path)
-    pipe.load_state_dict(tensors["model"])
+        _load_optimizer_or_change_nothing(optimizer, optimizer_state(), path)
+    put_model_state()
     _restore_rng(pipe, training["rng"])
     return training["step"], training["extra"]
 
@@ -441,42 +443,101 @@ def _check_matches(path: Path, manifest: dict[str, Any], expected: dict[str, tor
                          "or load with optimizer=None (the weights only) and start the optimizer afresh")
 
 
-def _optimizer_template(path: Path, manifest: dict[str, Any]) -> dict[str, dict[str, torch.Tensor]]:
-    """Empty CPU tensors for the optimizer state the checkpoint holds, to load into."""
-    template: dict[str, dict[str, torch.Tensor]] = {}
-    for key, shape in manifest["shapes"].items():
-        if key.startswith("optimizer/"):
-            name, state_key = key[len("optimizer/"):].rsplit("/", 1)
-            dtype = getattr(torch, manifest["dtypes"][key])
-            template.setdefault(name, {})[state_key] = torch.empty(shape, dtype=dtype)
-    return template
+def _model_destinations(pipe: nn.Module, expected: dict[str, torch.Tensor]
+                        ) -> tuple[dict[str, Chunks | torch.Tensor], Callable[[], None]]:
+    """Where a load writes the model's state, and what puts it in place once written:
+    under spmd, buffers for the shards of this host's devices, handed to them in place
+    (:meth:`SpmdPipeline.load_chunks`); otherwise whole CPU tensors, loaded with
+    ``load_state_dict``."""
+    runner = getattr(pipe, "runner", None)
+    if hasattr(runner, "load_chunks"):
+        return runner.load_chunks(list(expected))
+    state = {key: torch.empty(value.shape, dtype=value.dtype) for key, value in expected.items()}
+    return state, lambda: pipe.load_state_dict(state)
 
 
-def _positional_optimizer_state(pipe: nn.Module, optimizer: torch.optim.Optimizer,
-                                named_state: dict[str, dict[str, torch.Tensor]], named_groups: list[dict],
-                                path: Path) -> dict[str, Any]:
-    """The saved optimizer state as ``optimizer.load_state_dict`` takes it: per parameter
-    of ``optimizer`` (in this layout), its names' states assembled into one tensor."""
+def _optimizer_destinations(pipe: nn.Module, optimizer: torch.optim.Optimizer, manifest: dict[str, Any],
+                            named_groups: list[dict], path: Path
+                            ) -> tuple[dict[str, dict[str, Chunks | torch.Tensor]], Callable[[], dict[str, Any]]]:
+    """Where a load writes the optimizer state the checkpoint holds, by the wrapped
+    module's names; and what then gives it as ``optimizer.load_state_dict`` takes it:
+    per parameter of ``optimizer`` (in this layout), its names' states as one tensor.
+
+    Raises:
+        ValueError: naming ``optimizer`` if its param groups are not the checkpoint's.
+    """
     if len(named_groups) != len(optimizer.param_groups):
         raise ValueError(f"optimizer: the checkpoint {str(path)!r} has {len(named_groups)} param groups and "
                          f"this optimizer {len(optimizer.param_groups)}; build it with the same groups")
-    state: dict[int, dict[str, torch.Tensor]] = {}
+    saved: dict[str, dict[str, tuple[list[int], torch.dtype]]] = {}
+    for key, shape in manifest["shapes"].items():
+        if key.startswith("optimizer/"):
+            name, state_key = key[len("optimizer/"):].rsplit("/", 1)
+            saved.setdefault(name, {})[state_key] = (shape, getattr(torch, manifest["dtypes"][key]))
+    destinations: dict[str, dict[str, Chunks | torch.Tensor]] = {}
+    made: dict[int, dict[str, Callable[[], torch.Tensor]]] = {}
     groups = []
     index = 0
     for group, saved_group in zip(optimizer.param_groups, named_groups):
         positions = []
         for parameter in group["params"]:
-            names = [name for name, _ in _named_slices(pipe, parameter)]
-            absent = [name for name in names if name not in saved_group["params"]]
+            parts = dict(_named_slices(pipe, parameter))
+            absent = [name for name in parts if name not in saved_group["params"]]
             if absent:
                 raise ValueError(f"optimizer: {absent[:3]} are not in the checkpoint's param group; build the "
                                  "optimizer with the same parameters in the same groups")
-            if any(name in named_state for name in names):
-                state[index] = _assembled(pipe, parameter, named_state)
+            present = {name: saved[name] for name in parts if name in saved}
+            if present:
+                made[index] = _state_destinations(pipe, parameter, parts, present, destinations)
             positions.append(index)
             index += 1
         groups.append({**{k: v for k, v in saved_group.items() if k != "params"}, "params": positions})
-    return {"state": state, "param_groups": groups}
+
+    def state() -> dict[str, Any]:
+        return {"state": {position: {key: make() for key, make in keys.items()} for position, keys in made.items()},
+                "param_groups": groups}
+
+    return destinations, state
+
+
+def _state_destinations(pipe: nn.Module, parameter: torch.Tensor, parts: dict[str, torch.Tensor],
+                        saved: dict[str, dict[str, tuple[list[int], torch.dtype]]],
+                        destinations: dict[str, dict[str, Chunks | torch.Tensor]]
+                        ) -> dict[str, Callable[[], torch.Tensor]]:
+    """The destinations of one parameter's saved optimizer state (``saved``: by name, each
+    state's shape and dtype), added to ``destinations``; returns, per state key, what
+    gives the loaded tensor. A state shaped like each name's part of ``parameter`` goes
+    into that part; any other (Adam's ``step``, a scalar) is the same for every name and
+    read once."""
+    first = next(iter(saved))
+    made = {}
+    for key, (shape, dtype) in saved[first].items():
+        if all(key in states and states[key][0] == list(parts[name].shape) for name, states in saved.items()):
+            named, made[key] = _shaped_destinations(pipe, parameter, dtype)
+            for name, destination in named:
+                if name in saved:
+                    destinations.setdefault(name, {})[key] = destination
+        else:
+            value = torch.empty(shape, dtype=dtype)
+            destinations.setdefault(first, {})[key] = value
+            made[key] = _returning(value)
+    return made
+
+
+def _shaped_destinations(pipe: nn.Module, parameter: torch.Tensor, dtype: torch.dtype
+                         ) -> tuple[list[tuple[str, Chunks | torch.Tensor]], Callable[[], torch.Tensor]]:
+    """A state tensor shaped like ``parameter``, as its names' parts to load into, and
+    what gives the whole once loaded: under spmd sharded as ``parameter`` from buffers
+    for this host's shards; otherwise a CPU tensor."""
+    runner = getattr(pipe, "runner", None)
+    if hasattr(runner, "state_load_chunks"):
+        return runner.state_load_chunks(parameter, dtype)
+    whole = torch.zeros(parameter.shape, dtype=dtype)
+    return _named_slices(pipe, parameter, whole), _returning(whole)
+
+
+def _returning(value: torch.Tensor) -> Callable[[], torch.Tensor]:
+    return lambda: value
 
 
 def _load_optimizer_or_change_nothing(optimizer: torch.optim.Optimizer, state: dict[str, Any], path: Path) -> None:
@@ -499,21 +560,3 @@ def _load_optimizer_or_change_nothing(optimizer: torch.optim.Optimizer, state: d
     # Loaded whole onto the device: each state tensor sharded as its parameter again.
     shard_like([(value, parameter) for group in optimizer.param_groups for parameter in group["params"]
                 for value in optimizer.state.get(parameter, {}).values() if isinstance(value, torch.Tensor)])
-
-
-def _assembled(pipe: nn.Module, parameter: torch.Tensor, named_state: dict[str, dict[str, torch.Tensor]]) -> dict:
-    """One parameter's optimizer state from its names' states (a stacked weight's from
-    its blocks'): a state shaped like each name's parameter goes into its part; any
-    other (Adam's ``step``, a scalar) is the same for every name and taken once."""
-    assembled = {}
-    present = [name for name, _ in _named_slices(pipe, parameter) if name in named_state]
-    for key, first in named_state[present[0]].items():
-        whole = torch.zeros(parameter.shape, dtype=first.dtype)
-        parts = [(name, part) for name, part in _named_slices(pipe, parameter, whole) if name in named_state]
-        if all(key in named_state[name] and named_state[name][key].shape == part.shape for name, part in parts):
-            for name, part in parts:
-                part.copy_(named_state[name][key])
-            assembled[key] = whole
-        else:
-            assembled[key] = first.clone()
-    return assembled

@@ -1,35 +1,43 @@
-"""Checkpoint tensors written shard by shard: a tensor as the pieces of it this host
-holds, each written by ``torch.distributed.checkpoint`` as one chunk of the whole.
+"""Checkpoint tensors written and read shard by shard: a tensor as the pieces of it
+this host holds, each one chunk of the whole for ``torch.distributed.checkpoint``.
 
-A sharded tensor reaches the host as its shards (one replica of each), never put
-together, and only when DCP writes its chunks, tensor after tensor, so that a
-blocking save holds about one tensor's shards at a time. A checkpoint key that is
-a slice of a stacked body weight becomes the boxes of the key's tensor that each
-shard covers (:func:`flat_boxes`), in the key's own coordinates, so the checkpoint
-stays layout-free: a load (of any
-layout, or of the plain model) reads the chunks that overlap each tensor it fills.
-DCP's planner validates at save time that each tensor's chunks tile it with no
-gap and no overlap.
+A save reads a sharded tensor's shards (one replica of each) only when DCP writes
+their chunks, tensor after tensor, so that a blocking save holds about one
+tensor's shards at a time; a load fills buffers for the shards this host's devices
+hold, DCP reading the saved chunks that overlap each (any layout into any other).
+Neither puts a tensor together on the host. A checkpoint key that is a slice of a
+stacked body weight becomes the boxes of the key's tensor that each shard covers
+(:func:`flat_boxes`), in the key's own coordinates, so the checkpoint stays
+layout-free. DCP's planner validates at save time that each tensor's chunks tile it
+with no gap and no overlap.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any
-
 import queue
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 from torch.distributed.checkpoint import FileSystemWriter
-from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, TensorWriteData, WriteItem, WriteItemType
 
-from xpipe._xla import HostShards
+
+class ShardSource(Protocol):
+    """The shards of one tensor on this host, at ``places`` (slices of the whole):
+    :class:`xpipe._xla.HostShards` to save from, :class:`xpipe._xla.ShardBuffers` to
+    load into."""
+
+    places: list[tuple[slice, ...]]
+
+    def expect_read(self) -> None: ...
+
+    def read(self, shard: int) -> torch.Tensor: ...
 
 
 def _whole(values: torch.Tensor) -> torch.Tensor:
@@ -39,11 +47,12 @@ def _whole(values: torch.Tensor) -> torch.Tensor:
 @dataclass
 class Piece:
     """One chunk of a tensor: where it lies (``offsets``, ``sizes``) and how to read
-    its values: ``cut`` applied to shard ``shard`` of ``source``."""
+    its values: ``cut`` applied to shard ``shard`` of ``source`` (a view, which a
+    load writes through)."""
 
     offsets: tuple[int, ...]
     sizes: tuple[int, ...]
-    source: HostShards
+    source: ShardSource
     shard: int
     cut: Callable[[torch.Tensor], torch.Tensor] = _whole
 
@@ -52,8 +61,9 @@ class Piece:
 
 
 class Chunks:
-    """A tensor of ``shape`` and ``dtype`` as the pieces of it this host holds, read
-    from its shards only when DCP writes them (:class:`xpipe._xla.HostShards`)."""
+    """A tensor of ``shape`` and ``dtype`` as the pieces of it this host holds: to save,
+    read from its shards only when DCP writes them (:class:`xpipe._xla.HostShards`);
+    to load, written into its shards' buffers (:class:`xpipe._xla.ShardBuffers`)."""
 
     def __init__(self, shape: torch.Size, dtype: torch.dtype, pieces: list[Piece]) -> None:
         self.shape, self.dtype = torch.Size(shape), dtype
@@ -68,11 +78,18 @@ class Chunks:
                                                       properties=properties, size=self.shape))
                 for offsets, piece in self._pieces.items()]
 
+    def __create_chunk_list__(self) -> list[ChunkStorageMetadata]:
+        return [ChunkStorageMetadata(offsets, torch.Size(piece.sizes)) for offsets, piece in self._pieces.items()]
+
+    def size(self) -> torch.Size:
+        """The whole tensor's shape (DCP checks it against the checkpoint's)."""
+        return self.shape
+
     def piece_at(self, offsets: torch.Size) -> torch.Tensor:
         """The values of the piece at ``offsets``."""
         return self._pieces[offsets].read()
 
-    def sources(self) -> list[HostShards]:
+    def sources(self) -> list[ShardSource]:
         """The shards the pieces are read from."""
         return list({id(piece.source): piece.source for piece in self._pieces.values()}.values())
 
@@ -90,6 +107,42 @@ class ChunkSavePlanner(DefaultSavePlanner):
         if isinstance(value, Chunks):
             return value.piece_at(index.offset)
         return super().lookup_object(index)
+
+
+class ChunkLoadPlanner(DefaultLoadPlanner):
+    """DCP's default planner, writing each chunk's data into its :class:`Chunks`' piece."""
+
+    def set_up_planner(self, state_dict: dict[str, Any], metadata: Any = None, is_coordinator: bool = False) -> None:
+        # DCP's set-up puts None in place of every value it does not know (torch 2.9's
+        # _init_state_dict), so the Chunks are put back where the flattened keys point.
+        chunks = dict(_chunks_in(state_dict))
+        super().set_up_planner(state_dict, metadata, is_coordinator)
+        for path, value in chunks.items():
+            _put(state_dict, path, value)
+        for fqn, path in self.mappings.items():
+            if tuple(path) in chunks:
+                self.state_dict[fqn] = chunks[tuple(path)]
+
+    def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
+        value = self.state_dict[index.fqn]
+        if isinstance(value, Chunks):
+            return value.piece_at(index.offset)
+        return super().lookup_tensor(index)
+
+
+def _chunks_in(state: dict[str, Any], path: tuple[str, ...] = ()) -> Iterator[tuple[tuple[str, ...], Chunks]]:
+    """Every :class:`Chunks` in the nested dict ``state``, with its path of keys."""
+    for key, value in state.items():
+        if isinstance(value, Chunks):
+            yield (*path, key), value
+        elif isinstance(value, dict):
+            yield from _chunks_in(value, (*path, key))
+
+
+def _put(state: dict[str, Any], path: tuple[str, ...], value: Any) -> None:
+    for key in path[:-1]:
+        state = state[key]
+    state[path[-1]] = value
 
 
 MIN_FILE_BYTES = 2**20  # no checkpoint file is cut smaller than this
@@ -145,8 +198,8 @@ def largest_tensor_bytes(state: dict[str, Any]) -> int:
     return largest
 
 
-def from_shards(shape: torch.Size, dtype: torch.dtype, shards: HostShards) -> Chunks:
-    """A tensor from the shards of it this host holds (:func:`xpipe._xla.host_shards`)."""
+def from_shards(shape: torch.Size, dtype: torch.dtype, shards: ShardSource) -> Chunks:
+    """A tensor as the shards of it this host holds, each one piece."""
     return Chunks(shape, dtype, [Piece(tuple(part.start for part in index), tuple(part.stop - part.start
                                                                                   for part in index), shards, shard)
                                  for shard, index in enumerate(shards.places)])

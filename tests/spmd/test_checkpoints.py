@@ -10,7 +10,8 @@ import torch_xla
 
 import xpipe
 import xpipe.chunks
-from checkpoint_checks import assert_chunks_tile_every_tensor, held_shards, no_sharded_tensor_put_together
+from checkpoint_checks import (assert_chunks_tile_every_tensor, assert_each_device_loaded_its_shard, held_shards,
+                               loaded_from_shards, no_sharded_tensor_put_together)
 from equivalence import assert_loads_exactly, step_losses
 from fresh_process import call_in_fresh_process
 from pipe_checks import batch_for, loss_of, tiny_lm
@@ -42,7 +43,9 @@ def test_resume_on_2x4_then_load_into_4x2_1x8_and_the_plain_model(tmp_path):
     assert len(list((tmp_path / "ckpt").glob("*.distcp"))) > 4
     saved = torch.load(tmp_path / "weights.pt")
     resumed, optimizer = make(tiny_lm(), 4, 2)
-    assert xpipe.load(tmp_path / "ckpt", resumed, optimizer) == (6, None)
+    with loaded_from_shards() as loads:  # each device's weights and AdamW state from its own shard
+        assert xpipe.load(tmp_path / "ckpt", resumed, optimizer) == (6, None)
+    assert_each_device_loaded_its_shard(loads)
     losses = torch.load(tmp_path / "losses.pt") + step_losses(resumed, optimizer, data[6:])
     torch.testing.assert_close(losses, expected, **EXACT)
     for key, value in uninterrupted.state_dict().items():

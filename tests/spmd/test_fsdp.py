@@ -19,7 +19,8 @@ import torch
 import torch_xla
 import torch_xla.debug.metrics as metrics
 
-from checkpoint_checks import assert_chunks_tile_every_tensor, no_sharded_tensor_put_together
+from checkpoint_checks import (assert_chunks_tile_every_tensor, assert_each_device_loaded_its_shard, loaded_from_shards,
+                               no_sharded_tensor_put_together)
 from equivalence import ATOL, RTOL, assert_loads_exactly, train_steps
 from hf_models import assert_gradients_match, gpt2, llama, padding_mask, tokens
 
@@ -209,7 +210,9 @@ def test_a_checkpoint_of_2_stages_x_2_fsdp_x_2_tensor_loads_into_other_layouts_a
     for options in (dict(stages=2, fsdp=4), dict(stages=2, data=4, fsdp=1), dict(stages=1, data=8, fsdp=1)):
         other, _ = build("llama", **options)
         targets.append((other, torch.optim.AdamW(other.parameters(), lr=1e-2)))
-    assert_loads_exactly(tmp_path / "ckpt", saved, *targets)
+    with loaded_from_shards() as loads:
+        assert_loads_exactly(tmp_path / "ckpt", saved, *targets)
+    assert_each_device_loaded_its_shard(loads)
     other, other_optimizer = targets[1]
     for parameter in other.parameters():
         spec = torch_xla._XLAC._get_xla_sharding_spec(parameter)

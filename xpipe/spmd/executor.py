@@ -30,8 +30,8 @@ from torch_xla.experimental.scan import scan
 
 from xpipe._batch import check_outputs
 from xpipe._batchnorm import RunningStatistics
-from xpipe._xla import HostShards, host_shards, to_host
-from xpipe.chunks import Chunks, Piece, flat_boxes, from_shards
+from xpipe._xla import HostShards, host_shards, shard_buffers, to_host
+from xpipe.chunks import Chunks, Piece, ShardSource, flat_boxes, from_shards
 from xpipe.checkpoint import kept_cells, recompute
 from xpipe.layout import spread, stored_shape
 from xpipe.schedule import Schedule, circular, gpipe
@@ -192,6 +192,50 @@ class SpmdPipeline(nn.Module):
             holder, (stage, slot), index = places[key]
             chunks[key] = self.body.block_chunks(index, (stage, slot), by_slot[id(holder), slot])
         return chunks
+
+    def load_chunks(self, keys: list[str]) -> tuple[dict[str, Chunks], Callable[[], None]]:
+        """Where a load writes ``state_dict`` keys ``keys``: each key as the pieces of
+        host buffers for the shards of the tensor that holds it on this host's devices
+        (a tied tensor under its first key), and what hands the buffers to the devices,
+        in place, once they are filled. No tensor is put together whole on the host."""
+        holders: dict[int, torch.Tensor] = {}
+        wanted = {}
+        for key in keys:
+            source = self._sources[key]
+            if isinstance(source, tuple):
+                holder, at, index = self.body.block_place(*source)
+            else:
+                holder, at, index = self.state_tensor(key), None, None
+                if id(holder) in holders:
+                    continue  # tied to an earlier key: the same tensor, the same values
+            holders[id(holder)] = holder
+            wanted[key] = (holder, at, index)
+        buffers = dict(zip(holders, shard_buffers(list(holders.values()))))
+        chunks = {key: from_shards(holder.shape, holder.dtype, buffers[id(holder)]) if at is None
+                  else self.body.block_chunks(index, at, buffers[id(holder)])
+                  for key, (holder, at, index) in wanted.items()}
+
+        def hand_over() -> None:
+            for identity, holder in holders.items():
+                buffers[identity].load_into(holder)
+
+        return chunks, hand_over
+
+    def state_load_chunks(self, parameter: torch.Tensor, dtype: torch.dtype
+                          ) -> tuple[list[tuple[str, Chunks]], Callable[[], torch.Tensor]]:
+        """Where a load writes an optimizer state of ``parameter`` (shaped like it, of
+        ``dtype``), by the names ``parameter`` holds (:meth:`named_slices`): each name's
+        part as the pieces of buffers for ``parameter``'s shards on this host; and what
+        makes the filled buffers a tensor on the devices, sharded as ``parameter``."""
+        buffers = shard_buffers([parameter], [dtype])[0]
+        named = []
+        for name, place in self._places_in(parameter):
+            if place is None:
+                named.append((name, from_shards(parameter.shape, dtype, buffers)))
+            else:
+                index, at = place
+                named.append((name, self.body.block_chunks(index, at, buffers)))
+        return named, buffers.to_device
 
     def _places_in(self, parameter: torch.Tensor) -> list[tuple[str, tuple[int, tuple[int, int]] | None]]:
         """The names ``parameter`` holds, each with where: (block parameter index,
@@ -438,7 +482,7 @@ class StackedWeights(nn.Module):
             holder = getattr(self, _attribute(name) + "__frozen")
         return holder, (stage, slot), index
 
-    def block_chunks(self, index: int, at: tuple[int, int], shards: HostShards) -> Chunks:
+    def block_chunks(self, index: int, at: tuple[int, int], shards: ShardSource) -> Chunks:
         """Block parameter ``index`` of slot ``at`` (stage, slot), in its own shape, as the
         pieces that ``shards`` of its stacked tensor (or of a tensor shaped like it) cover:
         each shard's flat range of the slot, as boxes of the stored shape, moved back to
@@ -459,7 +503,7 @@ class StackedWeights(nn.Module):
                 cut = partial(_block_piece, row=row, start=first - flat.start, sizes=sizes, shape=shape,
                                         dim=dim)
                 pieces.append(Piece(tuple(placed), tuple(moved), shards, shard, cut))
-        return Chunks(torch.Size(shape), self.weights[index].dtype, pieces)
+        return Chunks(torch.Size(shape), shards.dtype, pieces)
 
     def block_grad(self, index: int, block: int) -> torch.Tensor | None:
         """The gradient of block ``block``'s parameter ``index``; ``None`` if frozen or not computed."""

@@ -213,10 +213,10 @@ class HostShards:
         """Bring the values to the host now (a background save copies before it returns)."""
         if self._values is None and not self._sharded:
             self._values = [self._tensor.to("cpu", copy=True)]
+        elif self._values is None and self._narrowed is None:
+            self._values = _fetched(self._tensor, self.places)
         elif self._values is None:
-            on_devices = self._tensor if self._narrowed is None else _narrowed_on_devices(self._tensor,
-                                                                                          *self._narrowed)
-            self._values = _fetched(on_devices, self.places)
+            self._values = _fetched_part(self._tensor, self.places, *self._narrowed)
 
     def read(self, shard: int) -> torch.Tensor:
         """Shard ``shard``'s values, on the CPU."""
@@ -306,17 +306,26 @@ def shard_buffers(tensors: list[torch.Tensor], dtypes: list[torch.dtype] | None 
     return buffers
 
 
-def _shard_shape(tensor: torch.Tensor) -> tuple[int, ...] | None:
-    """The shape of each of ``tensor``'s shards on the devices, padding included, from
-    its sharding's tiles per dim (HLO's ``devices=[...]``); None if it is not tiled
-    (replicated: whole on every device)."""
+def _tile_counts(tensor: torch.Tensor) -> list[int] | None:
+    """Into how many tiles ``tensor``'s sharding splits each of its dims (HLO's
+    ``devices=[...]``); None if it is not tiled (replicated: whole on every device)."""
     import torch_xla
 
     tiles = re.search(r"devices=\[([\d,]+)\]", torch_xla._XLAC._get_xla_sharding_spec(tensor))
-    if tiles is None:
-        return None
-    counts = [int(count) for count in tiles.group(1).split(",")]
-    return tuple(-(-size // count) for size, count in zip(tensor.shape, counts))
+    return None if tiles is None else [int(count) for count in tiles.group(1).split(",")][:tensor.dim()]
+
+
+def _shard_shape(tensor: torch.Tensor) -> tuple[int, ...] | None:
+    """The shape of each of ``tensor``'s shards on the devices, padding included; None
+    if it is not tiled."""
+    counts = _tile_counts(tensor)
+    return None if counts is None else tuple(-(-size // count) for size, count in zip(tensor.shape, counts))
+
+
+def _evenly_tiled(tensor: torch.Tensor) -> bool:
+    """No shard of ``tensor`` holds padding."""
+    counts = _tile_counts(tensor) or []
+    return all(size % count == 0 for size, count in zip(tensor.shape, counts))
 
 
 def host_shards(tensors: list[torch.Tensor]) -> list[HostShards]:
@@ -355,6 +364,18 @@ def _fetched(tensor: torch.Tensor, places: list[tuple[slice, ...]]) -> list[torc
                            "gave; its sharding changed during the save")
     return [data[tuple(slice(0, part.stop - part.start) for part in index)]
             for (data, _), index in zip(shards, places)]
+
+
+def _fetched_part(tensor: torch.Tensor, places: list[tuple[slice, ...]], dim: int, index: int) -> list[torch.Tensor]:
+    """The values at ``places`` (shards of index ``index`` of ``tensor``'s ``dim``, a dim
+    no shard splits), on the CPU: sliced on the devices, so that only that part
+    reaches the host; or, where the tensor's shards are uneven (XLA then gives the
+    slice back whole on every device), sliced out of the tensor's own shards here."""
+    if _evenly_tiled(tensor):
+        return _fetched(_narrowed_on_devices(tensor, dim, index), places)
+    shards = _local_shards([tensor])[0]
+    return [data.narrow(dim, index, 1)[tuple(slice(0, part.stop - part.start) for part in place)].clone()
+            for (data, _), place in zip(shards, places)]
 
 
 def _narrowed_on_devices(tensor: torch.Tensor, dim: int, index: int) -> torch.Tensor:

@@ -94,7 +94,8 @@ class Chunks:
         return list({id(piece.source): piece.source for piece in self._pieces.values()}.values())
 
     def fetch(self) -> None:
-        """Bring every piece's values to the host now."""
+        """Bring every piece's values to the host now (a save's pieces, read from
+        :class:`xpipe._xla.HostShards`)."""
         for source in self.sources():
             source.fetch()
 

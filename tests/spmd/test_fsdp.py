@@ -40,9 +40,12 @@ MESHES = {"2 stages x 4 fsdp": dict(stages=2, fsdp=4), "4 stages x 2 fsdp": dict
 CIRCULAR = {"circular, 2 rounds on 2 stages x 2 fsdp x 2 tensor": dict(stages=2, fsdp=2, tensor=2,
                                                                       schedule="circular", virtual=2)}
 TENSOR_MESHES = [mesh for mesh in MESHES if "tensor" in mesh]
-# Every family on every tensor mesh (packed q/k/v, Conv1D and LayerNorm differ from Llama's
-# blocks); Llama also on the fsdp-only meshes but 4 x 2 fsdp (GPT-2's), and circular.
-CASES = [(family, mesh) for family in ("llama", "gpt2", "encoder") for mesh in TENSOR_MESHES] + [
+# Every family on the tensor meshes with stages (packed q/k/v, Conv1D and LayerNorm differ from
+# Llama's blocks), Llama also on the one without (1 x 4 x 2: fsdp and tensor, no pipeline; the other
+# families there took a minute of the suite and checked no rule that 2 x 2 x 2 does not); Llama on
+# the fsdp-only meshes but 4 x 2 fsdp (GPT-2's), and circular.
+CASES = [(family, mesh) for family in ("llama", "gpt2", "encoder") for mesh in TENSOR_MESHES
+         if family == "llama" or mesh != "1 stage x 4 fsdp x 2 tensor"] + [
     ("llama", "2 stages x 4 fsdp"), ("llama", "2 stages x 2 data x 2 fsdp"), ("gpt2", "4 stages x 2 fsdp"),
     ("llama", "circular, 2 rounds on 2 stages x 2 fsdp x 2 tensor")]
 
@@ -185,7 +188,7 @@ def assert_the_plan_predicts(model, inputs, axes: MeshAxes, measured: dict[str, 
 def test_a_checkpoint_of_2_stages_x_2_fsdp_x_2_tensor_loads_into_other_layouts_and_the_plain_model(tmp_path):
     """Saved after one AdamW step on 2 stages x 2 fsdp x 2 tensor; loaded bit-equal into
     2 stages x 4 fsdp (weights and AdamW state sharded there as they would be from its
-    own first step), 2 stages x 4 data, 1 stage x 8 data and the plain model; the next
+    own first step), 1 stage x 8 data and the plain model; the next
     two steps' losses are the plain model's on each. (The devices executor loads the same
     kind of checkpoint in ``tests/own_process/test_checkpoints.py``.)"""
     inputs = inputs_of("llama")
@@ -207,7 +210,7 @@ def test_a_checkpoint_of_2_stages_x_2_fsdp_x_2_tensor_loads_into_other_layouts_a
     plain = reference
     plain_optimizer = torch.optim.AdamW(plain.parameters(), lr=1e-2)
     targets = [(plain, plain_optimizer)]
-    for options in (dict(stages=2, fsdp=4), dict(stages=2, data=4, fsdp=1), dict(stages=1, data=8, fsdp=1)):
+    for options in (dict(stages=2, fsdp=4), dict(stages=1, data=8, fsdp=1)):
         other, _ = build("llama", **options)
         targets.append((other, torch.optim.AdamW(other.parameters(), lr=1e-2)))
     with loaded_from_shards() as loads:

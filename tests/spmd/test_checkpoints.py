@@ -3,9 +3,11 @@ exactly, and loads into another mesh and into the plain model; the checkpoint is
 written shard by shard, each chunk once."""
 
 import copy
+import json
 import math
 from pathlib import Path
 
+import pytest
 import torch
 import torch_xla
 
@@ -114,6 +116,20 @@ def test_shards_with_padding_save_and_load_into_other_layouts(tmp_path):
     for name, parameter in other.runner.named_parameters():  # stacked: compare through the state's names
         for named, value in other.runner.named_slices(parameter, other_optimizer.state[parameter]["exp_avg"].cpu()):
             assert torch.equal(value, moments[named]), named
+
+    # Refused late (a checkpoint that does not record its optimizer's kind, loaded into SGD
+    # with momentum): the shards already read are dropped, and nothing on the devices changed.
+    manifest = json.loads((tmp_path / "ckpt" / "manifest.json").read_text())
+    del manifest["optimizer_kind"]
+    (tmp_path / "ckpt" / "manifest.json").write_text(json.dumps(manifest))
+    sgd = torch.optim.SGD(other.parameters(), lr=0.1, momentum=0.9)
+    for parameter in other.parameters():
+        sgd.state[parameter]["momentum_buffer"] = torch.zeros_like(parameter)
+    other.runner.body.weights[0].data.mul_(2)  # other values than the checkpoint's
+    before = other.host_state_dict()
+    with pytest.raises(ValueError, match="holds optimizer state"):
+        xpipe.load(tmp_path / "ckpt", other, sgd)
+    assert all(torch.equal(value, before[key]) for key, value in other.host_state_dict().items())
 
 
 def test_host_state_dict_is_put_together_from_the_shards():

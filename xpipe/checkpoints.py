@@ -557,6 +557,6 @@ def _load_optimizer_or_change_nothing(optimizer: torch.optim.Optimizer, state: d
         raise ValueError(f"optimizer: the state in {str(path)!r} does not load into this "
                          f"{type(optimizer).__name__} ({type(error).__name__}: {error}); build the optimizer the "
                          "checkpoint was saved with, or load with optimizer=None") from error
-    # Loaded whole onto the device: each state tensor sharded as its parameter again.
+    # A state loaded whole onto the device (not from shard buffers) is sharded as its parameter again.
     shard_like([(value, parameter) for group in optimizer.param_groups for parameter in group["params"]
                 for value in optimizer.state.get(parameter, {}).values() if isinstance(value, torch.Tensor)])

@@ -34,6 +34,7 @@ class ShardSource(Protocol):
     load into."""
 
     places: list[tuple[slice, ...]]
+    dtype: torch.dtype
 
     def expect_read(self) -> None: ...
 

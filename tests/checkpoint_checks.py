@@ -6,6 +6,7 @@ each device's shard from a buffer of that shard, not from the whole tensor."""
 import contextlib
 import itertools
 import math
+import weakref
 from pathlib import Path
 
 import torch
@@ -13,6 +14,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 import xpipe.checkpoints
+import xpipe.chunks
 import xpipe._xla
 
 
@@ -72,11 +74,20 @@ def no_sharded_tensor_put_together():
 
 class HeldShards:
     """The bytes of fetched shards on the host while a save runs: the most held at
-    once, and the most any one tensor's shards take."""
+    once, and the most any one tensor's shards take; and of the records written
+    before, the most bytes still alive when the next is written (a writer that kept
+    what it wrote would hold the host's whole share)."""
 
     def __init__(self) -> None:
         self.held: dict[int, int] = {}
         self.peak = self.largest = 0
+        self.written: list[tuple[weakref.ref, int]] = []
+        self.written_alive = 0
+
+    def record_written(self, tensor: torch.Tensor) -> None:
+        alive = sum(size for ref, size in self.written if ref() is not None)
+        self.written_alive = max(self.written_alive, alive)
+        self.written.append((weakref.ref(tensor), tensor.numel() * tensor.element_size()))
 
 
 @contextlib.contextmanager
@@ -98,11 +109,19 @@ def held_shards():
             record.held.pop(id(self), None)
         return value
 
+    def write_item(transforms, stream, data, *args):
+        if isinstance(data, torch.Tensor):
+            record.record_written(data)
+        return original_write_item(transforms, stream, data, *args)
+
+    original_write_item = xpipe.chunks._write_item
     xpipe._xla.HostShards.fetch, xpipe._xla.HostShards.read = fetch, read
+    xpipe.chunks._write_item = write_item
     try:
         yield record
     finally:
         xpipe._xla.HostShards.fetch, xpipe._xla.HostShards.read = original_fetch, original_read
+        xpipe.chunks._write_item = original_write_item
 
 
 @contextlib.contextmanager

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import importlib.util
-import math
 import re
 import weakref
 from collections.abc import Collection
@@ -198,12 +197,6 @@ class HostShards:
     @property
     def dtype(self) -> torch.dtype:
         return self._tensor.dtype
-
-    @property
-    def nbytes(self) -> int:
-        """The bytes of the shards' values on the host."""
-        return sum(math.prod(part.stop - part.start for part in place) for place in self.places) \
-            * self._tensor.element_size()
 
     def expect_read(self) -> None:
         """Announce one more :meth:`read` before the values may be dropped."""

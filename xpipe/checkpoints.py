@@ -45,7 +45,7 @@ import torch_xla.runtime as xr
 from torch import nn
 
 from xpipe._xla import HostShards, host_shards, shard_like, to_host
-from xpipe.chunks import BoundedFileWriter, ChunkLoadPlanner, Chunks, ChunkSavePlanner, largest_tensor_bytes
+from xpipe.chunks import ChunkLoadPlanner, Chunks, ChunkSavePlanner, StreamingFileWriter
 
 FORMAT = 1
 MANIFEST = "manifest.json"
@@ -174,8 +174,7 @@ def _write(path: Path, tensors: dict[str, Any], training: bytes, layout: dict[st
     try:
         with _quiet_single_process():
             # Shards reach the host as their chunks are written, tensor after tensor.
-            writer = BoundedFileWriter(staging, file_bytes=largest_tensor_bytes(tensors))
-            dcp.save(tensors, storage_writer=writer, planner=ChunkSavePlanner(), no_dist=_single_process())
+            dcp.save(tensors, storage_writer=StreamingFileWriter(staging), planner=ChunkSavePlanner(), no_dist=_single_process())
         (staging / TRAINING).write_bytes(training)
         manifest = {
             **layout,

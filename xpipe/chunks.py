@@ -14,8 +14,9 @@ with no gap and no overlap.
 
 from __future__ import annotations
 
+import io
 import math
-import queue
+import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -23,9 +24,11 @@ from typing import Any, Protocol
 import torch
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
-from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX
+from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX, _write_item
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, TensorWriteData, WriteItem, WriteItemType
+from torch.distributed.checkpoint.storage import WriteResult
+from torch.futures import Future
 
 
 class ShardSource(Protocol):
@@ -147,57 +150,38 @@ def _put(state: dict[str, Any], path: tuple[str, ...], value: Any) -> None:
     state[path[-1]] = value
 
 
-MIN_FILE_BYTES = 2**20  # no checkpoint file is cut smaller than this
+class StreamingFileWriter(FileSystemWriter):
+    """DCP's file writer, writing this process's chunks in the plan's order into one
+    file and letting each go once it is written. torch 2.9's own writer keeps every
+    tensor it wrote to a file until the file is closed (for its safetensors format),
+    so a file would hold the host's whole share; here what a save holds is what its
+    sources hold (:class:`xpipe._xla.HostShards`: one tensor's shards at a time). The
+    records are DCP's own (``_write_item``), so DCP's reader reads them."""
+
+    def __init__(self, path: str) -> None:
+        super().__init__(path, thread_count=1)
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        name = f"{plan.storage_data.prefix}0{DEFAULT_SUFFIX}"
+        results = []
+        with self.fs.create_stream(self.fs.concat_path(self.path, name), "wb") as stream:
+            for item in plan.items:
+                results.append(_write_item(self.transforms, stream, _record(planner.resolve_data(item), item),
+                                           item, name, self.serialization_format))
+            if self.sync_files:
+                os.fsync(stream.fileno())
+        written: Future[list[WriteResult]] = Future()
+        written.set_result(results)
+        return written
 
 
-class BoundedFileWriter(FileSystemWriter):
-    """DCP's file writer, one thread, starting a new file whenever one holds
-    ``file_bytes``: torch 2.9's writer keeps every tensor it has written to a file
-    until the file is closed, so the file's size, not the checkpoint's, bounds what
-    a save holds on the host."""
-
-    def __init__(self, path: str, file_bytes: int) -> None:
-        # Copying ahead would look for an accelerator's streams, and torch_xla's SPMD mode
-        # registers a device module that has none. One thread: chunks are written in the
-        # state's order (two threads sort them by size), tensor after tensor.
-        super().__init__(path, per_thread_copy_ahead=0, thread_count=1)
-        self.file_bytes = max(file_bytes, MIN_FILE_BYTES)
-
-    def write_data(self, plan: SavePlan, planner: SavePlanner):
-        files: queue.Queue = queue.Queue()
-        for number, items in enumerate(_files_of(plan.items, self.file_bytes)):
-            name = f"{plan.storage_data.prefix}{number}{DEFAULT_SUFFIX}"
-            files.put((self.fs.concat_path(self.path, name), name, items))
-        return self._write_data(planner, files)
-
-
-def _files_of(items: list[WriteItem], file_bytes: int) -> Iterator[list[WriteItem]]:
-    """``items`` in order, cut into files of about ``file_bytes`` each."""
-    file: list[WriteItem] = []
-    size = 0
-    for item in items:
-        file.append(item)
-        if item.tensor_data is not None:
-            size += math.prod(item.tensor_data.chunk.sizes) * item.tensor_data.properties.dtype.itemsize
-        if size >= file_bytes:
-            yield file
-            file, size = [], 0
-    if file:
-        yield file
-
-
-def largest_tensor_bytes(state: dict[str, Any]) -> int:
-    """The bytes of the largest tensor (or set of one tensor's shards) a save of
-    ``state`` holds on this host: files of this size add at most as much again."""
-    largest = 0
-    for value in state.values():
-        if isinstance(value, dict):
-            largest = max(largest, largest_tensor_bytes(value))
-        elif isinstance(value, Chunks):
-            largest = max([largest, *(source.nbytes for source in value.sources())])
-        elif isinstance(value, torch.Tensor):
-            largest = max(largest, value.numel() * value.element_size())
-    return largest
+def _record(data: torch.Tensor | io.BytesIO, item: WriteItem) -> torch.Tensor | io.BytesIO:
+    """What DCP's record of ``item`` holds: a CPU tensor with storage of its own size
+    (``torch.save`` of a view writes its whole storage), or the bytes as given."""
+    if item.type == WriteItemType.BYTE_IO:
+        return data
+    tensor = data.detach().cpu()
+    return tensor if tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size() else tensor.clone()
 
 
 def from_shards(shape: torch.Size, dtype: torch.dtype, shards: ShardSource) -> Chunks:

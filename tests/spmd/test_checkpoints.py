@@ -12,7 +12,6 @@ import torch
 import torch_xla
 
 import xpipe
-import xpipe.chunks
 from xpipe.models import mlp_stack
 from checkpoint_checks import (assert_chunks_tile_every_tensor, assert_each_device_loaded_its_shard, held_shards,
                                loaded_from_shards, no_sharded_tensor_put_together)
@@ -41,10 +40,11 @@ def test_resume_on_2x4_then_load_into_4x2_1x8_and_the_plain_model(tmp_path):
     # Stacked weights sharded over "stage" and replicated over "data": each chunk once.
     assert_chunks_tile_every_tensor(tmp_path / "ckpt")
     # Read as written: at most two slots of stacked tensors at once (AdamW's two states of one
-    # weight are written side by side), in files of at most a few chunks.
-    peak, largest, total = torch.load(tmp_path / "held.pt")
+    # weight are written side by side), and what was written let go of (one file).
+    peak, largest, total, records, written_alive = torch.load(tmp_path / "held.pt")
     assert 0 < largest <= peak <= 2 * largest < total / 4, (peak, largest, total)
-    assert len(list((tmp_path / "ckpt").glob("*.distcp"))) > 4
+    assert records > 100 and written_alive <= peak, (records, written_alive, peak)
+    assert len(list((tmp_path / "ckpt").glob("*.distcp"))) == 1
     saved = torch.load(tmp_path / "weights.pt")
     resumed, optimizer = make(tiny_lm(), 4, 2)
     with loaded_from_shards() as loads:  # each device's weights and AdamW state from its own shard
@@ -85,11 +85,10 @@ def train_six_steps_and_save(folder: str) -> None:
     start = torch.load(Path(folder) / "start.pt", weights_only=False)
     pipe, optimizer = make(start["model"], 4, 2)
     torch.save(step_losses(pipe, optimizer, start["data"][:6]), Path(folder) / "losses.pt")
-    xpipe.chunks.MIN_FILE_BYTES = 0  # files of one tensor's size: the load reads across many
     with no_sharded_tensor_put_together(), held_shards() as held:
         xpipe.save(Path(folder) / "ckpt", pipe, optimizer, step=6)
     total = 3 * sum(value.numel() * value.element_size() for value in pipe.state_dict().values())
-    torch.save((held.peak, held.largest, total), Path(folder) / "held.pt")
+    torch.save((held.peak, held.largest, total, len(held.written), held.written_alive), Path(folder) / "held.pt")
     torch.save(pipe.host_state_dict(), Path(folder) / "weights.pt")
 
 

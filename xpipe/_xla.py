@@ -168,6 +168,9 @@ def to_host(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
             for tensor in tensors]
 
 
+WHOLE_FETCH_BYTES = 2**20  # a tensor this small reaches the host whole, not one slot at a time
+
+
 class HostShards:
     """The shards of one tensor that this host holds, one replica of each, as their
     places in the whole (slices, padding cut off); an unsharded tensor is one shard,
@@ -185,10 +188,13 @@ class HostShards:
         self._reads = 0
 
     def narrowed(self, dim: int, index: int) -> HostShards:
-        """The shards of ``index`` along ``dim`` (a dim no shard splits), as places in
-        the whole tensor; fetched through a slice on the devices, so that only that
-        part reaches the host (a stacked weight, one block slot at a time)."""
-        if not self._sharded:
+        """The shards that hold ``index`` along ``dim`` (a dim no shard splits), as
+        places in the whole tensor: fetched through a slice on the devices, so that
+        only that part reaches the host (a stacked weight, one block slot at a time).
+        A tensor of at most ``WHOLE_FETCH_BYTES``, or one not sharded, is these shards
+        itself, fetched once for every index: a program run per slot costs more than
+        holding a small tensor (a stacked LayerNorm weight or bias)."""
+        if not self._sharded or self._tensor.numel() * self._tensor.element_size() <= WHOLE_FETCH_BYTES:
             return self
         places = [tuple(slice(index, index + 1) if axis == dim else part for axis, part in enumerate(place))
                   for place in self.places]

@@ -40,12 +40,12 @@ MESHES = {"2 stages x 4 fsdp": dict(stages=2, fsdp=4), "4 stages x 2 fsdp": dict
 CIRCULAR = {"circular, 2 rounds on 2 stages x 2 fsdp x 2 tensor": dict(stages=2, fsdp=2, tensor=2,
                                                                       schedule="circular", virtual=2)}
 TENSOR_MESHES = [mesh for mesh in MESHES if "tensor" in mesh]
-# Every family on the tensor meshes with stages (packed q/k/v, Conv1D and LayerNorm differ from
-# Llama's blocks), Llama also on the one without (1 x 4 x 2: fsdp and tensor, no pipeline; the other
-# families there took a minute of the suite and checked no rule that 2 x 2 x 2 does not); Llama on
-# the fsdp-only meshes but 4 x 2 fsdp (GPT-2's), and circular.
+# Llama on every tensor mesh; GPT-2 and the encoder stack (packed q/k/v, Conv1D and LayerNorm differ
+# from Llama's blocks) on 2 x 2 x 2 only: on 2 x 1 x 4 and 1 x 4 x 2 they passed too and were left
+# out for the suite's time (about 25 s each), their rules being the ones 2 x 2 x 2 runs with another
+# tensor count. Llama on the fsdp-only meshes but 4 x 2 fsdp (GPT-2's), and circular.
 CASES = [(family, mesh) for family in ("llama", "gpt2", "encoder") for mesh in TENSOR_MESHES
-         if family == "llama" or mesh != "1 stage x 4 fsdp x 2 tensor"] + [
+         if family == "llama" or mesh == "2 stages x 2 fsdp x 2 tensor"] + [
     ("llama", "2 stages x 4 fsdp"), ("llama", "2 stages x 2 data x 2 fsdp"), ("gpt2", "4 stages x 2 fsdp"),
     ("llama", "circular, 2 rounds on 2 stages x 2 fsdp x 2 tensor")]
 

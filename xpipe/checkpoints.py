@@ -40,12 +40,13 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
+import torch_xla
 import torch_xla.core.xla_model as xm
-import torch_xla.runtime as xr
 from torch import nn
 
 from xpipe._xla import HostShards, host_shards, shard_like, to_host
 from xpipe.chunks import ChunkLoadPlanner, Chunks, ChunkSavePlanner, StreamingFileWriter
+from xpipe.save_group import SaveGroup
 
 FORMAT = 1
 MANIFEST = "manifest.json"
@@ -76,9 +77,15 @@ def save(path: str | os.PathLike, pipe: nn.Module, optimizer: torch.optim.Optimi
         stopped the write (``path`` then still holds the previous checkpoint).
     """
     path = Path(path)
-    _check_one_process()
-    _check_replaceable(path)
+    group = SaveGroup.of_run()
+    if background and not group.alone:
+        raise ValueError(f"background: a save from {group.size} processes is written blocking (a background "
+                         "one, written by a thread on each host, is not built): pass background=False")
+    group.on_every_process(lambda: _check_replaceable(path))
     _pickled(extra)  # refused before any device work
+    # What is still pending (an optimizer step not yet synced) is run first: the state is
+    # then read from device buffers that no later sync of part of it can donate away.
+    torch_xla.sync()
     tensors: dict[str, Any] = {"model": _host_state(pipe)}
     training: dict[str, Any] = {"step": step, "extra": extra, "rng": _rng_states(pipe)}
     if optimizer is not None:
@@ -88,8 +95,8 @@ def save(path: str | os.PathLike, pipe: nn.Module, optimizer: torch.optim.Optimi
               "optimizer_kind": None if optimizer is None else _kind(optimizer)}
     if background:
         _fetch(tensors)  # training may change the device values once this returns
-        return _background_writer().submit(_write, path, tensors, training_bytes, layout)
-    _write(path, tensors, training_bytes, layout)
+        return _background_writer().submit(_write, path, tensors, training_bytes, layout, group)
+    _write(path, tensors, training_bytes, layout, group)
     return None
 
 
@@ -100,18 +107,6 @@ def _fetch(tensors: dict[str, Any]) -> None:
             value.fetch()
         elif isinstance(value, dict):
             _fetch(value)
-
-
-def _check_one_process() -> None:
-    """Raise on a run of several processes (a pod's hosts): each would write its own
-    shards to a staging directory of its own and put it in place of the others', so
-    the checkpoint would hold one host's shards and lose the rest."""
-    processes = xr.process_count()
-    if processes > 1:
-        raise RuntimeError(f"xpipe.save: this run has {processes} processes (hosts), and writing one checkpoint "
-                           "from several hosts is not built yet: each host would replace the checkpoint with its "
-                           "own shards. Until it is, save from process 0 with torch.save(pipe.host_state_dict(), "
-                           "path) (it gathers each tensor whole), or save from a single-host run")
 
 
 def _check_replaceable(path: Path) -> None:
@@ -167,28 +162,55 @@ def _kind(optimizer: torch.optim.Optimizer) -> str:
     return f"{type(optimizer).__module__}.{type(optimizer).__qualname__}"
 
 
-def _write(path: Path, tensors: dict[str, Any], training: bytes, layout: dict[str, Any]) -> None:
-    """The checkpoint's files, from state already on the host, put in place at ``path``."""
-    _check_replaceable(path)  # again: a background save runs later, and the path may have changed since
-    staging = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".saving", dir=path.parent))
+def _write(path: Path, tensors: dict[str, Any], training: bytes, layout: dict[str, Any], group: SaveGroup) -> None:
+    """The checkpoint's files, from state already on the host, put in place at ``path``:
+    every process of ``group`` writes its own chunks into one staging directory, and
+    process 0 writes the rest and renames it into place."""
+    group.on_every_process(lambda: _check_replaceable(path))  # again: a background save runs later
+    staging = Path(group.from_first(lambda: tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".saving",
+                                                             dir=path.parent)))
     try:
+        group.on_every_process(lambda: _check_shared(staging))
+        writer = StreamingFileWriter(staging)
         with _quiet_single_process():
             # Shards reach the host as their chunks are written, tensor after tensor.
-            dcp.save(tensors, storage_writer=StreamingFileWriter(staging), planner=ChunkSavePlanner(), no_dist=_single_process())
-        (staging / TRAINING).write_bytes(training)
-        manifest = {
-            **layout,
-            "dtypes": {f"{part}/{key}": str(value.dtype).removeprefix("torch.")
-                       for part, key, value in _flat_tensors(tensors)},
-            "shapes": {f"{part}/{key}": list(value.shape) for part, key, value in _flat_tensors(tensors)},
-            "files": {name: _checksum(staging / name) for name in sorted(os.listdir(staging))},
-        }
-        (staging / MANIFEST).write_text(json.dumps(manifest, indent=1))
-        for written in (staging / TRAINING, staging / MANIFEST, staging):  # DCP syncs its own files
-            _fsync(written)
-        _replace(path, staging)
+            dcp.save(tensors, storage_writer=writer, planner=ChunkSavePlanner(), no_dist=group.alone)
+        hashes = group.on_every_process(lambda: {name: _checksum(staging / name) for name in writer.files})
+        files = {name: digest for written in hashes for name, digest in written.items()}
+        # Process 0 finishes the checkpoint; every process hears whether it did.
+        group.on_every_process(lambda: _finish(path, staging, tensors, training, layout, files)
+                               if group.rank == 0 else None)
     finally:
-        shutil.rmtree(staging, ignore_errors=True)
+        if group.rank == 0:
+            shutil.rmtree(staging, ignore_errors=True)
+
+
+def _check_shared(staging: Path) -> None:
+    """Raise unless this process sees the staging directory process 0 made: the hosts
+    must write into one directory."""
+    if not staging.is_dir():
+        raise FileNotFoundError(f"path: process 0 made the staging directory {str(staging)!r}, which this "
+                                "process does not see; on several hosts the checkpoint's directory must lie on a "
+                                "filesystem every host mounts at the same path")
+
+
+def _finish(path: Path, staging: Path, tensors: dict[str, Any], training: bytes, layout: dict[str, Any],
+            files: dict[str, str]) -> None:
+    """Process 0's part: ``training.pt`` and the manifest (``files``: the data files'
+    hashes, from every process) beside DCP's files, then ``staging`` in place at ``path``."""
+    (staging / TRAINING).write_bytes(training)
+    files = {**files, **{name: _checksum(staging / name) for name in os.listdir(staging) if name not in files}}
+    manifest = {
+        **layout,
+        "dtypes": {f"{part}/{key}": str(value.dtype).removeprefix("torch.")
+                   for part, key, value in _flat_tensors(tensors)},
+        "shapes": {f"{part}/{key}": list(value.shape) for part, key, value in _flat_tensors(tensors)},
+        "files": dict(sorted(files.items())),
+    }
+    (staging / MANIFEST).write_text(json.dumps(manifest, indent=1))
+    for written in (staging / TRAINING, staging / MANIFEST, staging):  # DCP syncs its own files
+        _fsync(written)
+    _replace(path, staging)
 
 
 @functools.cache
@@ -218,6 +240,7 @@ def load(path: str | os.PathLike, pipe: nn.Module,
     """
     path = Path(path)
     _wait_for_background_saves()
+    torch_xla.sync()  # a pending step first: the load then writes over buffers no later sync donates
     manifest = _checked_manifest(path)
     expected = pipe.state_dict()
     _check_matches(path, manifest, expected, optimizer)

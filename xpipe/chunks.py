@@ -160,9 +160,11 @@ class StreamingFileWriter(FileSystemWriter):
 
     def __init__(self, path: str) -> None:
         super().__init__(path, thread_count=1)
+        self.files: list[str] = []  # the data files this process wrote
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         name = f"{plan.storage_data.prefix}0{DEFAULT_SUFFIX}"
+        self.files.append(name)
         results = []
         with self.fs.create_stream(self.fs.concat_path(self.path, name), "wb") as stream:
             for item in plan.items:

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 import torch_xla
 
 import xpipe
+import xpipe.save_group
 from xpipe import checkpoints
 from equivalence import assert_loads_exactly, step_losses
 from fresh_process import call_in_fresh_process
@@ -208,12 +209,13 @@ def test_every_file_and_the_rename_are_made_durable_before_the_old_checkpoint_go
     assert xpipe.load(tmp_path / "ckpt", pipe, optimizer)[0] == 2
 
 
-def test_a_save_on_several_processes_is_refused_before_it_writes(tmp_path, monkeypatch):
-    """Each host would put its own shards in place of the others': refused, nothing written."""
+def test_a_save_on_several_hosts_without_a_process_group_is_refused_before_it_writes(tmp_path, monkeypatch):
+    """Without a group over the hosts each would put its own shards in place of the
+    others': refused, naming what to call, and nothing written."""
     pipe, optimizer = make(small_cnn())
-    monkeypatch.setattr(checkpoints.xr, "process_count", lambda: 2)
-    with pytest.raises(RuntimeError, match=r"this run has 2 processes \(hosts\), and writing one checkpoint from "
-                                           r"several hosts is not built yet"):
+    monkeypatch.setattr(xpipe.save_group.xr, "process_count", lambda: 2)
+    with pytest.raises(RuntimeError, match=r"this run has 2 processes \(hosts\) and no torch.distributed process "
+                                           r"group.*init_process_group\('gloo', init_method='xla://'\)"):
         xpipe.save(tmp_path / "ckpt", pipe, optimizer)
     assert list(tmp_path.iterdir()) == []
 

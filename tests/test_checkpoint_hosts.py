@@ -41,6 +41,7 @@ def save_as_one_of_two_processes(folder: str, rank: str, port: str) -> None:
     """One process's part: a step, then ``xpipe.save`` with the other process; run in a
     process of its own."""
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=int(rank), world_size=2)
+    xpipe.save(Path(folder) / "plain", model())  # a CPU module's save leaves the process free to enter SPMD
     pipe = xpipe.Pipe(model(), chunks=4, mesh=xpipe.make_mesh(2, 4), loss_fn=F.mse_loss)
     optimizer = torch.optim.AdamW(pipe.parameters(), lr=1e-2)
     inputs = torch.randn(16, 8, generator=torch.Generator().manual_seed(1))
@@ -83,7 +84,7 @@ def test_two_processes_write_one_checkpoint_that_loads_into_the_plain_model(tmp_
     assert [worker.returncode for worker in workers] == [0, 0], "\n".join(output[-3000:] for output in outputs)
 
     checkpoint = tmp_path / "ckpt"
-    assert sorted(path.name for path in tmp_path.iterdir()) == ["ckpt", "weights.pt"], "no staging left behind"
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["ckpt", "plain", "weights.pt"], "no staging left"
     assert_chunks_tile_every_tensor(checkpoint)
     storage = dcp.FileSystemReader(checkpoint).read_metadata().storage_data
     written = {info.relative_path for info in storage.values()}
@@ -93,6 +94,7 @@ def test_two_processes_write_one_checkpoint_that_loads_into_the_plain_model(tmp_
 
     plain = model()
     plain_optimizer = torch.optim.AdamW(plain.parameters(), lr=1e-2)
+    assert_loads_exactly(tmp_path / "plain", model().state_dict(), (plain, None))
     assert_loads_exactly(checkpoint, torch.load(tmp_path / "weights.pt"), (plain, plain_optimizer))
     assert all(plain_optimizer.state[p]["step"] == 1 and plain_optimizer.state[p]["exp_avg"].any()
                for p in plain.parameters()), "AdamW's state of every parameter"

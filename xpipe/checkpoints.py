@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import io
+import itertools
 import json
 import os
 import pickle
@@ -83,9 +84,7 @@ def save(path: str | os.PathLike, pipe: nn.Module, optimizer: torch.optim.Optimi
                          "one, written by a thread on each host, is not built): pass background=False")
     group.on_every_process(lambda: _check_replaceable(path))
     _pickled(extra)  # refused before any device work
-    # What is still pending (an optimizer step not yet synced) is run first: the state is
-    # then read from device buffers that no later sync of part of it can donate away.
-    torch_xla.sync()
+    _run_pending(pipe)
     tensors: dict[str, Any] = {"model": _host_state(pipe)}
     training: dict[str, Any] = {"step": step, "extra": extra, "rng": _rng_states(pipe)}
     if optimizer is not None:
@@ -107,6 +106,15 @@ def _fetch(tensors: dict[str, Any]) -> None:
             value.fetch()
         elif isinstance(value, dict):
             _fetch(value)
+
+
+def _run_pending(module: nn.Module) -> None:
+    """Run what is pending on the devices (an optimizer step not yet synced) before a
+    save reads the state or a load writes it: otherwise a sync of part of the state
+    donates buffers that the rest still reads. Nothing for a module on the CPU, where
+    starting the XLA runtime would fix the process's mode before an spmd Pipe could."""
+    if any(tensor.device.type == "xla" for tensor in itertools.chain(module.parameters(), module.buffers())):
+        torch_xla.sync()
 
 
 def _check_replaceable(path: Path) -> None:
@@ -240,7 +248,7 @@ def load(path: str | os.PathLike, pipe: nn.Module,
     """
     path = Path(path)
     _wait_for_background_saves()
-    torch_xla.sync()  # a pending step first: the load then writes over buffers no later sync donates
+    _run_pending(pipe)
     manifest = _checked_manifest(path)
     expected = pipe.state_dict()
     _check_matches(path, manifest, expected, optimizer)

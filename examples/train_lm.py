@@ -14,10 +14,13 @@ through ``xpipe.data.MpDeviceLoader`` with the accumulation dimension: the host
 stacks ``chunks`` microbatches into ``[chunks, micro_batch, seq + 1]`` before the
 transfer, sharded over the mesh's "data" axis on arrival (not over "fsdp": see
 docs/scaling.md on XLA's CPU runtime), and ``pipe.step`` runs the schedule with
-the loss inside. Every ``--eval-every`` steps the validation loss is measured; every ``--checkpoint-every`` steps (and at the end) the run is
-saved with ``xpipe.save``; ``--resume`` continues from the last one with the same
-batches the uninterrupted run would have seen. At the end the loss curve is
-written as a PNG.
+the loss inside. Every ``--eval-every`` steps the validation loss is measured;
+every ``--checkpoint-every`` steps (and at the end) the run is saved with
+``xpipe.save``, in the background; ``--resume`` continues from the last one with
+the same batches the uninterrupted run would have seen. At the end the loss
+curve is written as a PNG. On a pod, run it on every host: each host loads its
+own devices' rows, and the hosts write each checkpoint together (blocking, over
+a gloo group), so ``--checkpoint-dir`` must be a path every host mounts.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ os.environ.setdefault("CPU_NUM_DEVICES", "8")
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 import torch_xla  # noqa: E402
+import torch_xla.runtime as xr  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 import xpipe  # noqa: E402
@@ -118,6 +122,9 @@ def run(options: argparse.Namespace) -> dict[str, list]:
     checkpoint = Path(options.checkpoint_dir) / "latest" if options.checkpoint_dir else None
     if checkpoint is not None:
         checkpoint.parent.mkdir(parents=True, exist_ok=True)
+    several_hosts = xr.process_count() > 1
+    if several_hosts and checkpoint is not None and not torch.distributed.is_initialized():
+        torch.distributed.init_process_group("gloo", init_method="xla://")  # the hosts write one checkpoint
     if options.resume:
         if checkpoint is None or not checkpoint.exists():
             raise SystemExit(f"--resume: no checkpoint at {checkpoint}; pass the --checkpoint-dir of an earlier run")
@@ -155,7 +162,8 @@ def run(options: argparse.Namespace) -> dict[str, list]:
         if checkpoint is not None and (step % options.checkpoint_every == 0 or step == options.steps):
             if saving is not None:
                 saving.result()  # a failed earlier save stops the run here, with its error
-            saving = xpipe.save(checkpoint, pipe, optimizer, step=step, extra=history, background=True)
+            # In the background on one host; several hosts write theirs together, blocking.
+            saving = xpipe.save(checkpoint, pipe, optimizer, step=step, extra=history, background=not several_hosts)
     if saving is not None:
         saving.result()
     if options.plot:

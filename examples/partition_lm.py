@@ -6,6 +6,7 @@ Builds a 24-block transformer LM (tied embedding and head), traces it, and split
 it into 4 stages of balanced forward FLOPs, then into 4 stages of balanced memory.
 """
 
+import argparse
 import torch
 
 import xpipe
@@ -21,4 +22,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     main()

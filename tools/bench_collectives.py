@@ -16,6 +16,7 @@ buffer assignment XLA writes for the compiled program (``xpipe.inspect.audit``):
 
 from __future__ import annotations
 
+import argparse
 import os
 
 os.environ.setdefault("PJRT_DEVICE", "CPU")
@@ -85,4 +86,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     main()

@@ -27,6 +27,7 @@ that work was in flight at once, not that it ran faster.
 
 from __future__ import annotations
 
+import argparse
 import copy
 import os
 import statistics
@@ -149,4 +150,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     main()

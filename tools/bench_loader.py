@@ -10,6 +10,7 @@ Goal (issue 4): stacking 16 batches per step costs nothing visible (ratio >= 1.0
 
 from __future__ import annotations
 
+import argparse
 import os
 import statistics
 import time
@@ -52,4 +53,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     main()

@@ -14,6 +14,7 @@ activations come on top of the resting state there). docs/scaling.md quotes the 
 
 from __future__ import annotations
 
+import argparse
 import os
 
 os.environ.setdefault("PJRT_DEVICE", "CPU")
@@ -80,4 +81,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     main()

@@ -18,6 +18,7 @@ measure total work and overhead, not parallel speed-up.
 
 from __future__ import annotations
 
+import argparse
 import os
 import statistics
 import time
@@ -34,7 +35,6 @@ import torch_xla.distributed.spmd as xs  # noqa: E402
 import xpipe  # noqa: E402
 import xpipe.inspect  # noqa: E402
 from xpipe.models import transformer_lm  # noqa: E402
-from xpipe.spmd.executor import BATCH_AXES  # noqa: E402
 
 xpipe.inspect.enable_hlo_dump()
 DATA, STAGES, ROWS_PER_MICROBATCH = 2, 4, 4
@@ -96,7 +96,7 @@ def data_parallel(mesh) -> tuple[torch.nn.Module, object]:
 
     def run(tokens):
         tokens = tokens.to(torch_xla.device())
-        xs.mark_sharding(tokens, mesh, (BATCH_AXES, None))
+        xs.mark_sharding(tokens, mesh, (("stage", "data"), None))  # rows over the whole mesh
         return replica(tokens)
 
     return replica, run
@@ -138,4 +138,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     main()

@@ -9,6 +9,7 @@ and step time, and the smallest pure-pipeline layout's bytes.
 
 from __future__ import annotations
 
+import argparse
 from xpipe.plan_cli import llama3_config
 from xpipe.planner import GiB, plan
 
@@ -46,4 +47,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     main()

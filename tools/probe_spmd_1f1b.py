@@ -24,6 +24,7 @@ total work, which is what a compute-bound TPU step would pay too.
 
 from __future__ import annotations
 
+import argparse
 import os
 import statistics
 import time
@@ -161,4 +162,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     main()

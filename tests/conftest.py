@@ -17,6 +17,8 @@ os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_backend_opti
 
 import pytest  # noqa: E402
 
+from tiers import DurationRecorder, add_tier_option, select_tier  # noqa: E402
+
 SPMD_WORKER = os.environ.get("XPIPE_SPMD_WORKER") == "1"
 
 
@@ -36,3 +38,35 @@ def xla_autograd_first():
         probe = torch.zeros(1, device=torch_xla.device(), requires_grad=True)
         (probe * 2).sum().backward()  # a bare probe.sum() does not set the queues up
     yield
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    add_tier_option(parser)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "full: in the full tier only (grids of families x meshes, long examples, "
+                                       "the checkpoint matrix); run with --tier=full or --tier=all")
+    config.pluginmanager.register(DurationRecorder(), "xpipe-durations")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    select_tier(config, items)
+
+
+@pytest.fixture
+def captures(monkeypatch) -> list[str]:
+    """The captures of a model (torch.fx traces, torch.export runs) made from here on, in order."""
+    from xpipe import capture
+
+    made: list[str] = []
+
+    def counting(kind: str, capture_function):
+        def counted(*args):
+            made.append(kind)
+            return capture_function(*args)
+        return counted
+
+    monkeypatch.setattr(capture, "_trace_fx", counting("fx", capture._trace_fx))
+    monkeypatch.setattr(capture, "_export", counting("export", capture._export))
+    return made

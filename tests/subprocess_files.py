@@ -4,8 +4,9 @@ devices tests that build many pipelines).
 In the main pytest process, each such ``test_*.py`` is collected as one item that
 re-runs pytest on that file in a subprocess with ``<variable>=1``; in that worker
 the tests are collected normally. A file that needs another device count says so
-in a line ``CPU_NUM_DEVICES = N``. A failing worker fails the item and shows the
-worker's output.
+in a line ``CPU_NUM_DEVICES = N``. The worker runs this process's tier
+(``tiers.file_tiers`` reads which tiers a file holds from its text). A failing
+worker fails the item and shows the worker's output.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from pathlib import Path
 
 import pytest
 
+from tiers import file_tiers
+
 DEVICES = re.compile(r"^CPU_NUM_DEVICES = (\d+)$", re.MULTILINE)
 
 
@@ -28,7 +31,9 @@ class OwnProcessFile(pytest.File):
     label = ""
 
     def collect(self):
-        yield OwnProcessRun.from_parent(self, name=f"{self.label}-subprocess")
+        run = OwnProcessRun.from_parent(self, name=f"{self.label}-subprocess")
+        run.tiers = file_tiers(self.path.read_text())
+        yield run
 
 
 class OwnProcessRun(pytest.Item):
@@ -41,9 +46,11 @@ class OwnProcessRun(pytest.Item):
             environment["CPU_NUM_DEVICES"] = devices[1]
         # --tb=short: the long form prints arguments, and repr() of some SPMD tensors crashes the worker.
         command = [sys.executable, "-m", "pytest", str(self.path), "-q", "--tb=short", "-p", "no:cacheprovider",
-                   "--rootdir", str(self.config.rootpath)]
+                   "--rootdir", str(self.config.rootpath), f"--tier={self.config.getoption('tier')}"]
         result = subprocess.run(command, env=environment, capture_output=True, text=True)
         self.worker_output = result.stdout + result.stderr
+        if result.returncode == pytest.ExitCode.NO_TESTS_COLLECTED:
+            pytest.skip(f"{self.path.name} has no test in this tier")
         if result.returncode != 0:
             raise WorkerFailure(self.worker_output)
         print(self.worker_output.strip().splitlines()[-1])

@@ -236,12 +236,17 @@ def test_auto_picks_spmd_wherever_spmd_accepts_the_model():
     norm and head, which the spmd executor runs; auto picks it in a fresh process."""
     result = run_fresh("""
         import xpipe
+        from xpipe import capture
         from xpipe.models import transformer_lm
+        traces = []
+        trace_fx = capture._trace_fx
+        capture._trace_fx = lambda *args: traces.append(1) or trace_fx(*args)
         pipe = xpipe.Pipe(transformer_lm(blocks=7, width=16), chunks=8, stages=4, schedule="circular", virtual=2)
-        print("executor", pipe.executor, pipe.partition.balance)
+        print("executor", pipe.executor, pipe.partition.balance, "traces", len(traces))
     """)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "executor spmd" in result.stdout, result.stdout
+    assert "traces 1" in result.stdout, result.stdout  # the choice and the build read one capture
 
 
 def test_spmd_after_xla_devices_were_used_is_refused_not_crashed():
@@ -308,3 +313,23 @@ def test_batch_norm_in_eval_mode_differentiates(checkpoint):
     model[4].eval()
     assert_pipe_matches(model, batch(16), batch(16, 4, seed=1), F.mse_loss, chunks=4, stages=3,
                         executor="devices", checkpoint=checkpoint)
+
+
+@pytest.mark.parametrize("executor", ["devices", "auto"])
+def test_a_pipe_captures_its_model_once(captures, monkeypatch, executor):
+    """A capture is most of a Pipe's construction time: one per Pipe, whatever the executor.
+    "auto" in a process that could still enter SPMD tries the stacked cut first (this
+    model's blocks do not pass a single tensor, so it falls back to devices)."""
+    import xpipe.pipe as pipe_module
+
+    monkeypatch.setattr(pipe_module, "can_enter_spmd", lambda: True)
+    pipe = xpipe.Pipe(small_cnn(), chunks=2, stages=2, executor=executor)
+    assert pipe.executor == "devices"
+    assert captures == ["fx"]
+
+
+def test_a_hugging_face_pipe_is_exported_once(captures):
+    from hf_models import gpt2, tokens
+
+    xpipe.Pipe(gpt2(layers=2), chunks=2, stages=2, executor="devices", sample_input={"input_ids": tokens(4)})
+    assert captures == ["fx", "export"]  # fx cannot open the model: export captures it, once

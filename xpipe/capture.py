@@ -24,11 +24,12 @@ Both give a ``torch.fx.GraphModule`` whose parameters are the model's own object
 
 from __future__ import annotations
 
+import copy
 import inspect
 import operator
 from collections import Counter
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.fx
@@ -40,7 +41,30 @@ from xpipe.substitutes import substitute_operators
 CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
 
 
-def trace_layers(module: nn.Module, sample_input: Any = None) -> tuple[torch.fx.GraphModule, dict[torch.fx.Node, str]]:
+class Captured(NamedTuple):
+    """A model captured once: the trace, and the layer that runs each compute node.
+
+    A ``Pipe`` captures its model once and reads this for the split, the executor
+    choice and the cut into pieces; a reader that changes the trace works on
+    :meth:`copy`.
+    """
+
+    traced: torch.fx.GraphModule
+    layer_of: dict[torch.fx.Node, str]
+
+    def copy(self) -> Captured:
+        """The same capture with a graph of its own (the parameters are still the model's)."""
+        traced = torch.fx.GraphModule(self.traced, copy.deepcopy(self.traced.graph),
+                                      class_name=type(self.traced).__name__)
+        traced.meta.update(self.traced.meta)
+        for spec in ("_in_spec", "_out_spec"):  # torch.export's input and output structure
+            if hasattr(self.traced, spec):
+                setattr(traced, spec, getattr(self.traced, spec))
+        by_name = {node.name: node for node in traced.graph.nodes}  # a graph's copy keeps its node names
+        return Captured(traced, {by_name[node.name]: layer for node, layer in self.layer_of.items()})
+
+
+def trace_layers(module: nn.Module, sample_input: Any = None) -> Captured:
     """Capture ``module`` and map each compute node to the layer that runs it.
 
     Args:
@@ -63,10 +87,10 @@ def trace_layers(module: nn.Module, sample_input: Any = None) -> tuple[torch.fx.
                              "can capture it with torch.export instead") from error.__cause__
     else:
         if traced_opened == opened or sample_input is None:
-            return traced, _assign_by_calls(traced)
+            return Captured(traced, _assign_by_calls(traced))
         # fx kept a module on the way to the blocks whole; export can look inside it
     traced = _export(module, sample_input)
-    return traced, _assign_by_stack(traced, module, opened)
+    return Captured(traced, _assign_by_stack(traced, module, opened))
 
 
 def input_values(sample_input: Any) -> tuple[tuple, dict[str, Any]]:

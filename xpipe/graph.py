@@ -36,13 +36,13 @@ import torch.fx
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from xpipe.capture import flat_inputs, is_batch_size, trace_layers
+from xpipe.capture import Captured, flat_inputs, is_batch_size, trace_layers
 
 OUTPUT = "output"
 
 
 def module_graph(
-    module: nn.Module, sample_input: Any = None, *, measure_time: bool = False
+    module: nn.Module, sample_input: Any = None, *, measure_time: bool = False, captured: Captured | None = None
 ) -> nx.DiGraph:
     """Trace ``module`` into a graph of layers, annotated with their costs.
 
@@ -55,6 +55,8 @@ def module_graph(
             module's own device; buffers (BatchNorm running statistics) and the
             global RNG state are left as they were.
         measure_time: also time each layer's forward (needs ``sample_input``).
+        captured: ``module`` as :func:`xpipe.capture.trace_layers` already captured
+            it (on ``sample_input``), so that it is not captured again.
 
     Returns:
         A ``networkx.DiGraph`` as described in this module's docstring.
@@ -70,7 +72,7 @@ def module_graph(
         raise TypeError(f"sample_input: holds no tensor ({type(sample_input).__name__} of "
                         f"{', '.join(sorted({type(v).__name__ for v in flat_inputs(sample_input)})) or 'nothing'}); "
                         "pass a batch as the model takes it: a tensor, a tuple of tensors, or a dict of keyword inputs")
-    traced, layer_of = trace_layers(module, sample_input)
+    traced, layer_of = captured if captured is not None else trace_layers(module, sample_input)
     graph = _build_graph(module, traced, layer_of)
     if sample_input is not None:
         try:

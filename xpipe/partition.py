@@ -20,6 +20,7 @@ from torch import nn
 from xpipe._balance import balance_by_cost, stage_costs
 from xpipe._checks import check_positive_int
 from xpipe._format import human
+from xpipe.capture import Captured
 from xpipe.graph import OUTPUT, layer_names, module_graph
 
 COSTS = ("params", "flops", "time", "memory")
@@ -177,18 +178,35 @@ def partition(
         >>> plan = xpipe.partition(model, 4, sample_input=torch.zeros(8, 64, dtype=torch.long), cost="flops")
         >>> print(plan)
     """
-    stages = _check_arguments(stages, cost, balance, sample_input)
-    return _split(module_graph(module, sample_input, measure_time=cost == "time"), stages, cost, balance)
+    return partition_captured(module, None, stages, sample_input=sample_input, cost=cost, balance=balance)
 
 
-def rebalanced(plan: Partition, balance: Sequence[int]) -> Partition:
-    """``plan``'s model split by ``balance`` instead, from the graph ``plan`` already
-    holds: the model is not captured again.
+def partition_captured(
+    module: nn.Module,
+    captured: Captured | None,
+    stages: int | None = None,
+    *,
+    sample_input: Any = None,
+    cost: str = "params",
+    balance: Sequence[int] | None = None,
+) -> Partition:
+    """:func:`partition` of a model that :func:`xpipe.capture.trace_layers` has already
+    captured (None: capture it here). ``Pipe`` splits this way, from its one capture."""
+    _check_cost(cost, sample_input)
+    stages = _stage_count(stages, balance)
+    graph = module_graph(module, sample_input, measure_time=cost == "time", captured=captured)
+    return _split(graph, stages, cost, balance)
+
+
+def rebalanced(plan: Partition, balance: Sequence[int] | None = None, *, stages: int | None = None) -> Partition:
+    """``plan``'s model split again, from the graph ``plan`` already holds (the model
+    is not captured again): by ``balance``, or into ``stages`` stages of balanced cost.
 
     Raises:
-        ValueError: if ``balance`` does not fit the model's layers.
+        ValueError: if ``balance`` does not fit the model's layers, or neither it nor
+            ``stages`` is given.
     """
-    return _split(plan.graph.copy(), len(balance), plan.cost, balance)
+    return _split(plan.graph.copy(), _stage_count(stages, balance), plan.cost, balance)
 
 
 def _split(graph: nx.DiGraph, stages: int, cost: str, balance: Sequence[int] | None) -> Partition:
@@ -202,13 +220,15 @@ def _split(graph: nx.DiGraph, stages: int, cost: str, balance: Sequence[int] | N
     return _build(graph, tuple(balance), cost, stage_costs(layer_costs, balance, entry_costs=entry))
 
 
-def _check_arguments(
-    stages: int | None, cost: str, balance: Sequence[int] | None, sample_input: Any
-) -> int:
+def _check_cost(cost: str, sample_input: Any) -> None:
     if cost not in COSTS:
         raise ValueError(f"cost: {cost!r} is not a cost model; use one of {', '.join(COSTS)}")
     if cost != "params" and sample_input is None:
         raise ValueError(f"sample_input: cost={cost!r} runs the model once; pass sample_input=<a batch>")
+
+
+def _stage_count(stages: int | None, balance: Sequence[int] | None) -> int:
+    """The stages that ``stages`` or ``balance`` asks for, checked to agree."""
     if balance is not None:
         if stages is not None and stages != len(balance):
             raise ValueError(f"balance: has {len(balance)} stages but stages={stages}; make them agree")

@@ -29,18 +29,18 @@ from xpipe._batch import batch_size, check_floating_inputs
 from xpipe._checks import check_positive_int
 from xpipe._retired import retire
 from xpipe._xla import can_enter_spmd, kept_shardings, move_keeping_ties, rebind, restore_shardings, warm_autograd
-from xpipe.capture import place_constants_on
+from xpipe.capture import Captured, place_constants_on, trace_layers
 from xpipe.checkpoint import check_mode
 from xpipe.chunks import Chunks
 from xpipe.devices.executor import DevicesPipeline
 from xpipe.devices.stages import cut_into_stages
 from xpipe.layout import spread
 from xpipe.mesh import axes_of, make_mesh, mesh_axes, spmd_device
-from xpipe.partition import Partition, partition, rebalanced
+from xpipe.partition import Partition, partition_captured, rebalanced
 from xpipe.schedule import Schedule, by_name
 from xpipe.spmd.executor import SCHEDULES as SPMD_SCHEDULES
 from xpipe.spmd.executor import SpmdPipeline
-from xpipe.spmd.stacking import cut_for_stacking
+from xpipe.spmd.stacking import StackedModel, cut_for_stacking
 from xpipe.tensor_rules import check_head_counts, check_rules
 
 EXECUTORS = ("auto", "spmd", "devices")
@@ -151,21 +151,22 @@ class Pipe(nn.Module):
             raise TypeError(f"loss_fn: expected a callable loss_fn(output, target), got {type(loss_fn).__name__}")
         self.__dict__["loss_fn"] = loss_fn  # not a submodule: the loss is not part of the model's state
         tensor_rules = check_rules(tensor_rules)
-        self.executor = _choose_executor(executor, module, mesh, stages, balance, sample_input, schedule, virtual)
+        capture = _Capture(module, sample_input)
+        self.executor = _choose_executor(executor, capture, mesh, stages, balance, schedule, virtual)
         self._original_keys = list(module.state_dict(keep_vars=True))
         if self.executor == "spmd":
-            self._build_spmd(module, balance, mesh, stages, schedule, sample_input, tensor_rules)
+            self._build_spmd(capture, balance, mesh, stages, schedule, tensor_rules)
         elif tensor_rules:
             raise ValueError("tensor_rules: the devices executor has no 'tensor' axis to split weights over; use "
                              "executor='spmd' with a mesh from xpipe.make_mesh(..., tensor=N), or leave them out")
         else:
-            self._build_devices(module, balance, mesh, stages, schedule, deferred_batch_norm, sample_input)
+            self._build_devices(capture, balance, mesh, stages, schedule, deferred_batch_norm)
         if not module.training:
             self.eval()  # a model wrapped in eval mode stays in eval mode
 
-    def _build_spmd(self, module: nn.Module, balance: Sequence[int] | None, mesh: xs.Mesh | None,
-                    stages: int | None, schedule: str, sample_input: Any,
-                    tensor_rules: dict[str, int | None]) -> None:
+    def _build_spmd(self, capture: _Capture, balance: Sequence[int] | None, mesh: xs.Mesh | None,
+                    stages: int | None, schedule: str, tensor_rules: dict[str, int | None]) -> None:
+        module = capture.module
         if schedule not in SPMD_SCHEDULES:
             raise ValueError(f"schedule: the spmd executor runs {' and '.join(map(repr, SPMD_SCHEDULES))} (its "
                              f"clock loop is GPipe's fill-drain, once or round the stage ring), not {schedule!r}; "
@@ -174,8 +175,7 @@ class Pipe(nn.Module):
         by_name(schedule, stages, self.chunks, self.virtual)  # refuses what the ring cannot run, before device work
         if mesh is not None:
             check_head_counts(module, axes_of(mesh).tensor)
-        plan = partition(module, stages, sample_input=sample_input)
-        stacked = cut_for_stacking(module, plan, sample_input)
+        plan, stacked = capture.whole(), capture.stacked()
         if len(stacked.blocks) < stages:
             raise ValueError(f"stages: the model's body (its longest run of identical blocks) has "
                              f"{len(stacked.blocks)} blocks, fewer than the {stages} stages; use at most "
@@ -192,8 +192,9 @@ class Pipe(nn.Module):
         self.schedule: Schedule = self.runner.schedule  # chunks rounded up to a multiple of stages, as it runs
         retire(module, [p for block in stacked.blocks for p in block.parameters()])
 
-    def _build_devices(self, module: nn.Module, balance: Sequence[int] | None, mesh: xs.Mesh | None,
-                       stages: int | None, schedule: str, deferred_batch_norm: bool, sample_input: Any) -> None:
+    def _build_devices(self, capture: _Capture, balance: Sequence[int] | None, mesh: xs.Mesh | None,
+                       stages: int | None, schedule: str, deferred_batch_norm: bool) -> None:
+        module = capture.module
         if mesh is not None:
             raise ValueError("mesh: the devices executor puts one stage on each XLA device and takes no mesh; "
                              "leave mesh out, or use executor='spmd'")
@@ -203,8 +204,8 @@ class Pipe(nn.Module):
         stages = _stage_count(stages, balance, xr.global_runtime_device_count(), self.virtual)
         self.mesh = None
         self.schedule = by_name(schedule, stages, self.chunks, self.virtual)
-        self.partition = partition(module, stages * self.virtual, balance=balance, sample_input=sample_input)
-        staged = cut_into_stages(module, self.partition, sample_input)
+        self.partition = rebalanced(capture.whole(), balance, stages=stages * self.virtual)
+        staged = cut_into_stages(module, self.partition, capture.sample_input, capture.captured)
         self.devices = [torch_xla.device(index) for index in range(stages)]
         warm_autograd(self.devices[0])
         placed: set[int] = set()
@@ -345,8 +346,8 @@ def _in_order(inputs: tuple, keyword_inputs: dict[str, Any], names: tuple[str, .
     return inputs + tuple(keyword_inputs[name] for name in names[len(inputs):])
 
 
-def _choose_executor(executor: str, module: nn.Module, mesh: xs.Mesh | None, stages: int | None,
-                     balance: Sequence[int] | None, sample_input: Any, schedule: str, virtual: int) -> str:
+def _choose_executor(executor: str, capture: _Capture, mesh: xs.Mesh | None, stages: int | None,
+                     balance: Sequence[int] | None, schedule: str, virtual: int) -> str:
     """``executor``, with ``"auto"`` resolved: spmd for a mesh, an SPMD process or a
     model with a stackable run of at least one identical block per stage and a
     layer per model stage (and a stage count that divides the devices), when the
@@ -366,13 +367,43 @@ def _choose_executor(executor: str, module: nn.Module, mesh: xs.Mesh | None, sta
     if devices % stages:
         return "devices"  # no data x stage mesh has this many stages
     try:
-        plan = partition(module, 1, sample_input=sample_input)
-        stacked = cut_for_stacking(module, plan, sample_input)
+        plan, stacked = capture.whole(), capture.stacked()
     except ValueError:
         return "devices"
     blocks = len(stacked.blocks)  # what _build_spmd accepts: a block per stage, a layer per model stage
     fits = blocks >= stages and min(_spmd_balance(plan, spread(blocks, stages * virtual))) >= 1
     return "spmd" if fits else "devices"
+
+
+class _Capture:
+    """A Pipe's model, captured once (a trace is the longest part of building a Pipe),
+    and what the executor choice and both builds read from it, each made once: the
+    model's layer graph as one stage (the run of repeated blocks the spmd executor
+    stacks, and the graph any split is made from) and the cut around that run."""
+
+    def __init__(self, module: nn.Module, sample_input: Any) -> None:
+        self.module, self.sample_input = module, sample_input
+        self._captured: Captured | None = None
+        self._whole: Partition | None = None
+        self._stacked: StackedModel | None = None
+
+    @property
+    def captured(self) -> Captured:
+        if self._captured is None:
+            self._captured = trace_layers(self.module, self.sample_input)
+        return self._captured
+
+    def whole(self) -> Partition:
+        """The model's layer graph as one stage."""
+        if self._whole is None:
+            self._whole = partition_captured(self.module, self.captured, 1, sample_input=self.sample_input)
+        return self._whole
+
+    def stacked(self) -> StackedModel:
+        """The model cut around its repeated blocks (ValueError if it has none to stack)."""
+        if self._stacked is None:
+            self._stacked = cut_for_stacking(self.module, self.whole(), self.sample_input, self.captured)
+        return self._stacked
 
 
 def _requested_stages(stages: int | None, balance: Sequence[int] | None, virtual: int = 1) -> int | None:

@@ -221,3 +221,16 @@ def test_bfloat16_trains_compiles_once_and_stays_near_float32(mesh):
     expected = loss_of(reference(batch), targets).item()
     assert abs(losses[0] - expected) < 2e-2 * abs(expected), (losses[0], expected)  # bf16: 8 mantissa bits
     assert losses[-1] < losses[0]
+
+
+def test_an_spmd_pipe_captures_its_model_once(mesh, captures):
+    """The split, the stacked cut and the executor read one capture of the model."""
+    xpipe.Pipe(tiny_lm(), chunks=4, mesh=mesh)
+    assert captures == ["fx"]
+
+
+def test_a_hugging_face_spmd_pipe_is_exported_once(mesh, captures):
+    from hf_models import llama, tokens
+
+    xpipe.Pipe(llama(layers=4), chunks=4, mesh=mesh, sample_input={"input_ids": tokens(4)})
+    assert captures == ["fx", "export"]  # fx cannot open the model: export captures it, once

@@ -15,7 +15,7 @@ from typing import Any
 import torch.fx
 from torch import nn
 
-from xpipe.capture import ExportedForm, extract_module, trace_layers
+from xpipe.capture import Captured, ExportedForm, extract_module, trace_layers
 from xpipe.partition import Partition
 
 
@@ -53,10 +53,12 @@ class StagedModel:
     exported: ExportedForm | None = None
 
 
-def cut_into_stages(module: nn.Module, partition: Partition, sample_input: Any = None) -> StagedModel:
+def cut_into_stages(module: nn.Module, partition: Partition, sample_input: Any = None,
+                    captured: Captured | None = None) -> StagedModel:
     """Cut ``module`` into one :class:`StageProgram` per stage of ``partition``
-    (``sample_input`` for models only torch.export can capture)."""
-    traced, layer_of = trace_layers(module, sample_input)
+    (``sample_input`` for models only torch.export can capture; ``captured``, the
+    model's capture on it, to cut without capturing again)."""
+    traced, layer_of = captured if captured is not None else trace_layers(module, sample_input)
     stages = len(partition.balance)
     nodes = list(traced.graph.nodes)
     output = nodes[-1]

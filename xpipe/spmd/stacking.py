@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from xpipe.capture import ExportedForm, extract_module, flat_inputs, is_batch_size, trace_layers
+from xpipe.capture import Captured, ExportedForm, extract_module, flat_inputs, is_batch_size, trace_layers
 from xpipe.partition import Partition
 
 PRE, POST = "pre", "post"
@@ -46,8 +46,10 @@ class StackedModel:
     exported: ExportedForm | None = None
 
 
-def cut_for_stacking(module: nn.Module, partition: Partition, sample_input: Any = None) -> StackedModel:
-    """Cut ``module`` around ``partition.repeated``.
+def cut_for_stacking(module: nn.Module, partition: Partition, sample_input: Any = None,
+                     captured: Captured | None = None) -> StackedModel:
+    """Cut ``module`` around ``partition.repeated`` (from ``captured``, its capture on
+    ``sample_input``, when given; the cut works on a copy of it).
 
     Raises:
         ValueError: if there is no repeated body, or its blocks pass more than one
@@ -59,7 +61,7 @@ def cut_for_stacking(module: nn.Module, partition: Partition, sample_input: Any 
     if repeated is None:
         raise ValueError("module: has no run of identical blocks to stack over the 'stage' axis; "
                          "the spmd executor needs one (e.g. the N blocks of a transformer)")
-    traced, layer_of = trace_layers(module, sample_input)
+    traced, layer_of = captured.copy() if captured is not None else trace_layers(module, sample_input)
     position = {name: index for index, name in enumerate(partition.graph.graph["layers"])}
 
     def segment(node: torch.fx.Node) -> str | int:

@@ -18,18 +18,26 @@ RTOL, ATOL = 1e-4, 1e-5
 
 
 def train_steps(loss_of_step: Callable[[], torch.Tensor], optimizer: torch.optim.Optimizer,
-                steps: int = 5) -> tuple[list[float], list[int]]:
-    """Run ``steps`` training steps; the loss and the process's compile count after each."""
+                steps: int = 5, *, backward: bool = True) -> tuple[list[float], list[int]]:
+    """Run ``steps`` training steps; the loss and the process's compile count after each.
+    ``backward=False`` for a ``loss_of_step`` that runs the backward itself (``pipe.step``)."""
     losses, compiles = [], []
     for _ in range(steps):
         loss = loss_of_step()
-        loss.backward()
+        if backward:
+            loss.backward()
         optimizer.step()
         optimizer.zero_grad()
         torch_xla.sync()
         losses.append(loss.item())
-        compiles.append(metrics.metric_data("CompileTime")[0])
+        compiles.append(compiled())
     return losses, compiles
+
+
+def compiled() -> int:
+    """Programs compiled so far in this process."""
+    data = metrics.metric_data("CompileTime")
+    return data[0] if data else 0
 
 
 def assert_pipe_matches(model: torch.nn.Module, batch: torch.Tensor, targets: torch.Tensor,

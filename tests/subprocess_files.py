@@ -40,13 +40,14 @@ class OwnProcessRun(pytest.Item):
     """Runs one test file in a fresh process and fails if any of its tests fails."""
 
     def runtest(self) -> None:
-        environment = dict(os.environ, **{self.parent.variable: "1"})
+        environment = {name: value for name, value in os.environ.items() if not name.startswith("PYTEST_XDIST")}
+        environment[self.parent.variable] = "1"
         devices = DEVICES.search(self.path.read_text())
         if devices:
             environment["CPU_NUM_DEVICES"] = devices[1]
         # --tb=short: the long form prints arguments, and repr() of some SPMD tensors crashes the worker.
         command = [sys.executable, "-m", "pytest", str(self.path), "-q", "--tb=short", "-p", "no:cacheprovider",
-                   "--rootdir", str(self.config.rootpath), f"--tier={self.config.getoption('tier')}"]
+                   "--rootdir", str(self.config.rootpath), f"--tier={self.config.getoption('tier')}", "-p", "no:xdist"]
         result = subprocess.run(command, env=environment, capture_output=True, text=True)
         self.worker_output = result.stdout + result.stderr
         if result.returncode == pytest.ExitCode.NO_TESTS_COLLECTED:

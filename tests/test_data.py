@@ -13,7 +13,7 @@ from xpipe.data import MpDeviceLoader, ParallelLoader, stack_batches
 
 @pytest.fixture(scope="module")
 def device():
-    return torch_xla.device()
+    return torch_xla.device(0)  # not the process's current device, which an earlier test may have moved
 
 
 def numbered(count, shape=(32, 8)):

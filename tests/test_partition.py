@@ -139,11 +139,12 @@ def test_untraceable_model_is_rejected_with_the_fix():
 
 
 class Wide(nn.Module):
-    """A layer about 60 times the work of a Linear(64, 64)."""
+    """A layer about 120 times the work of a Linear(64, 64): a margin that another
+    test process on the same cores (pytest -n 2) does not close."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.up, self.down = nn.Linear(64, 2048), nn.Linear(2048, 64)
+        self.up, self.down = nn.Linear(64, 4096), nn.Linear(4096, 64)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down(self.up(x))

@@ -24,7 +24,7 @@ from hf_models import (assert_gradients_match, assert_llama_step_matches, assert
 import xpipe
 
 
-@pytest.mark.parametrize("checkpoint", ["except_last", "never"])
+@pytest.mark.parametrize("checkpoint", ["except_last", pytest.param("never", marks=pytest.mark.full)])
 def test_llama_with_a_padding_mask_on_four_devices(checkpoint):
     model = llama()
     reference = copy.deepcopy(model)
@@ -135,6 +135,7 @@ def test_an_optimizer_built_before_capture_refuses_to_step():
         optimizer.step()
 
 
+@pytest.mark.full  # frozen statistics; BatchNorm in train mode is the quick tier's
 def test_resnet18_in_eval_mode():
     """BatchNorm with frozen statistics through backward (fine-tuning)."""
     torch.manual_seed(0)
@@ -181,6 +182,7 @@ def test_resnet18_in_train_mode():
                                    msg=lambda m, name=name: f"{name}: {m}")
 
 
+@pytest.mark.full  # ViT at full width; a small one runs in the quick tier (spmd/test_real_models.py)
 def test_vit_b_16_on_four_devices():
     """torchvision's ViT-B/16 as built by its factory (12 blocks of width 768) on 32 x 32
     images (4 patches), partitioned first as docs/models.md shows: the partition, kept

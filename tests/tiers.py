@@ -6,9 +6,11 @@ the grids (families x meshes, the checkpoint matrix) and the long examples, each
 test marked ``@pytest.mark.full`` (a whole file by ``pytestmark = pytest.mark.full``).
 ``--tier=full`` runs only the marked tests, ``--tier=all`` both.
 
-With ``XPIPE_DURATIONS=<folder>`` every pytest process, own-process workers
-included, writes each test's seconds (setup, call and teardown) there as JSON;
-``tools/test_durations.py`` reads them.
+With ``XPIPE_DURATIONS=<folder>`` the main pytest process and every own-process
+worker write each test's seconds (setup, call and teardown) there as JSON;
+``tools/test_durations.py`` reads them. Under pytest-xdist (``-n 2``) the main
+process is xdist's controller, which receives every test's report; xdist's own
+workers write nothing.
 """
 
 from __future__ import annotations
@@ -23,7 +25,12 @@ import pytest
 
 TIERS = ("quick", "full", "all")
 FULL_FILE = re.compile(r"^pytestmark = .*pytest\.mark\.full", re.MULTILINE)
-FULL_MARK = re.compile(r"pytest\.mark\.full\b")
+FULL_MARK = re.compile(r"pytest\.mark\.full\b|^from tiers import .*\bin_full_tier\b", re.MULTILINE)
+
+
+def in_full_tier(*values) -> pytest.param:
+    """A parametrized case that runs in the full tier only (a grid's further points)."""
+    return pytest.param(*values, marks=pytest.mark.full)
 
 
 def add_tier_option(parser: pytest.Parser) -> None:
@@ -60,6 +67,16 @@ def select_tier(config: pytest.Config, items: list[pytest.Item]) -> None:
         items[:] = kept
 
 
+def own_process_worker() -> bool:
+    """Whether this process runs one file for the main process (tests/subprocess_files.py)."""
+    return bool(os.environ.get("XPIPE_SPMD_WORKER") or os.environ.get("XPIPE_OWN_PROCESS_WORKER"))
+
+
+def xdist_worker() -> bool:
+    """Whether this process is one of pytest-xdist's workers (whose controller reports)."""
+    return "PYTEST_XDIST_WORKER" in os.environ and not own_process_worker()
+
+
 class DurationRecorder:
     """Each test's seconds in this process, and the run's total."""
 
@@ -75,10 +92,9 @@ class DurationRecorder:
 
     def pytest_sessionfinish(self, session: pytest.Session) -> None:
         folder = os.environ.get("XPIPE_DURATIONS")
-        if not folder:
+        if not folder or xdist_worker():
             return
-        worker = bool(os.environ.get("XPIPE_SPMD_WORKER") or os.environ.get("XPIPE_OWN_PROCESS_WORKER"))
-        record = {"worker": worker, "tier": session.config.getoption("tier"),
+        record = {"worker": own_process_worker(), "tier": session.config.getoption("tier"),
                   "total_s": time.monotonic() - self.started,
                   "tests": [{"nodeid": n, "seconds": s, "outcome": self.outcomes.get(n, "passed")}
                             for n, s in self.seconds.items()]}
@@ -86,7 +102,7 @@ class DurationRecorder:
         (Path(folder) / f"{os.getpid()}.json").write_text(json.dumps(record, indent=1))
 
     def pytest_terminal_summary(self, terminalreporter, config: pytest.Config) -> None:
-        if os.environ.get("XPIPE_SPMD_WORKER") or os.environ.get("XPIPE_OWN_PROCESS_WORKER"):
+        if own_process_worker() or xdist_worker():
             return
         minutes, seconds = divmod(round(time.monotonic() - self.started), 60)
         ran = sum(1 for outcome in self.outcomes.values() if outcome != "skipped")

@@ -266,6 +266,7 @@ def test_a_load_into_another_kind_of_optimizer_changes_nothing(tmp_path):
     assert_unchanged(fresh, before)
 
 
+@pytest.mark.full  # a load into another layout is the quick tier's in test_another_stage_count_...
 def test_a_checkpoint_from_the_spmd_executor_loads_here(tmp_path):
     """Saved by an spmd Pipe on a 2 (stage) x 2 (fsdp) x 2 (tensor) mesh, every weight
     and its AdamW state sharded over all three (the blocks split by rules given to

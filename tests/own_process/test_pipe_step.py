@@ -14,8 +14,8 @@ import torch
 import torch.nn.functional as F
 import torch_xla
 import torch_xla.core.xla_model as xm
-import torch_xla.debug.metrics as metrics
-from equivalence import ATOL, RTOL, assert_step_matches
+from equivalence import ATOL, RTOL, assert_step_matches, train_steps
+from tiers import in_full_tier
 
 import xpipe
 from xpipe.models import mlp_stack, resnet_like, small_cnn, unet
@@ -32,7 +32,8 @@ def labels(rows: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("schedule, virtual", SCHEDULES)
-@pytest.mark.parametrize("checkpoint", ["always", "except_last", "never"])
+@pytest.mark.parametrize("checkpoint", ["except_last", pytest.param("always", marks=pytest.mark.full),
+                                        pytest.param("never", marks=pytest.mark.full)])
 def test_every_schedule_trains_the_resnet_like_cnn(schedule, virtual, checkpoint):
     pipe = assert_step_matches(resnet_like(), images(8), labels(8), torch.nn.CrossEntropyLoss(), chunks=4,
                                stages=2, schedule=schedule, virtual=virtual, checkpoint=checkpoint,
@@ -44,7 +45,7 @@ def test_every_schedule_trains_the_resnet_like_cnn(schedule, virtual, checkpoint
     assert ran == in_table, "every cell of the table ran, and nothing else"
 
 
-@pytest.mark.parametrize("schedule, virtual", SCHEDULES)
+@pytest.mark.parametrize("schedule, virtual", [SCHEDULES[-1], *(in_full_tier(*each) for each in SCHEDULES[:-1])])
 def test_every_schedule_trains_the_unet_with_long_skips(schedule, virtual):
     target = torch.randn(8, 2, 16, 16, generator=torch.Generator().manual_seed(1))
     assert_step_matches(unet(), images(8), target, F.mse_loss, chunks=4, stages=2, schedule=schedule,
@@ -151,14 +152,8 @@ def test_five_steps_of_1f1b_compile_once_and_follow_the_plain_model():
     optimizer = torch.optim.SGD(pipe.parameters(), lr=0.05)
     reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.05)
     batches = [(images(8, seed), labels(8)) for seed in range(steps)]
-    losses, compiles = [], []
-    for batch, target in batches:
-        loss = pipe.step(batch, target)
-        optimizer.step()
-        optimizer.zero_grad()
-        torch_xla.sync()
-        losses.append(loss.item())
-        compiles.append(metrics.metric_data("CompileTime")[0])
+    batch_of_step = iter(batches)
+    losses, compiles = train_steps(lambda: pipe.step(*next(batch_of_step)), optimizer, steps, backward=False)
     expected = []
     for batch, target in batches:
         loss = F.cross_entropy(reference(batch), target)

@@ -28,6 +28,7 @@ def make(model, stages: int, data: int, chunks: int = 4):
     return pipe, torch.optim.AdamW(pipe.parameters(), lr=1e-2, weight_decay=0.1)
 
 
+@pytest.mark.full  # the quick tier loads into other layouts in test_shards_with_padding_...
 def test_resume_on_2x4_then_load_into_4x2_1x8_and_the_plain_model(tmp_path):
     """6 AdamW steps and a save in one process; load and 6 more steps in this one."""
     model = tiny_lm()

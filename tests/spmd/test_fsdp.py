@@ -17,12 +17,12 @@ from typing import NamedTuple
 import pytest
 import torch
 import torch_xla
-import torch_xla.debug.metrics as metrics
 
 from checkpoint_checks import (assert_chunks_tile_every_tensor, assert_each_device_loaded_its_shard, loaded_from_shards,
                                no_sharded_tensor_put_together)
-from equivalence import ATOL, RTOL, assert_loads_exactly, train_steps
+from equivalence import ATOL, RTOL, assert_loads_exactly, compiled, train_steps
 from hf_models import assert_gradients_match, gpt2, llama, padding_mask, tokens
+from tiers import in_full_tier
 
 import xpipe
 import xpipe.inspect
@@ -48,6 +48,10 @@ CASES = [(family, mesh) for family in ("llama", "gpt2", "encoder") for mesh in T
          if family == "llama" or mesh == "2 stages x 2 fsdp x 2 tensor"] + [
     ("llama", "2 stages x 4 fsdp"), ("llama", "2 stages x 2 data x 2 fsdp"), ("gpt2", "4 stages x 2 fsdp"),
     ("llama", "circular, 2 rounds on 2 stages x 2 fsdp x 2 tensor")]
+# The quick tier runs each family whose tensor rules differ (Llama; GPT-2's packed q/k/v) on the
+# mesh with every axis; the rest of the grid is the full tier's.
+QUICK_CASES = [("llama", "2 stages x 2 fsdp x 2 tensor"), ("gpt2", "2 stages x 2 fsdp x 2 tensor")]
+CASES = [case if case in QUICK_CASES else in_full_tier(*case) for case in CASES]
 
 
 def inputs_of(family: str) -> dict[str, torch.Tensor]:
@@ -94,12 +98,6 @@ def build(family: str, *, stages: int, fsdp: int, data: int = 1, tensor: int = 1
     return pipe, reference
 
 
-def compiled() -> int:
-    """Programs compiled so far in this process."""
-    data = metrics.metric_data("CompileTime")
-    return data[0] if data else 0
-
-
 def held(tensors) -> int:
     """The bytes of ``tensors`` on the device that holds the most of them."""
     return max(xpipe.inspect.bytes_per_device(tensors).values())
@@ -129,15 +127,9 @@ def test_one_adamw_step_equals_the_plain_model_and_later_steps_compile_nothing(f
         each.step()
         each.zero_grad()
     torch_xla.sync()
-    compiles, losses = [compiled()], []
-    for _ in range(2):
-        loss = pipe(**inputs).loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        torch_xla.sync()
-        compiles.append(compiled())
-        losses.append(loss.item())
+    first = compiled()
+    losses, compiles = train_steps(lambda: pipe(**inputs).loss, optimizer, steps=2)
+    compiles = [first, *compiles]
     # After the AdamW step from equal gradients, the same loss. (Weights are not compared
     # one by one: Adam's update of a gradient near zero, g / (|g| + eps), is decided by rounding.)
     expected = reference(**inputs).loss
@@ -185,6 +177,7 @@ def assert_the_plan_predicts(model, inputs, axes: MeshAxes, measured: dict[str, 
         assert abs(prediction.memory[kind] - value) <= 0.1 * value, (kind, value, prediction.memory)
 
 
+@pytest.mark.full  # the checkpoint matrix; the quick tier loads across layouts in spmd/test_checkpoints.py
 def test_a_checkpoint_of_2_stages_x_2_fsdp_x_2_tensor_loads_into_other_layouts_and_the_plain_model(tmp_path):
     """Saved after one AdamW step on 2 stages x 2 fsdp x 2 tensor; loaded bit-equal into
     2 stages x 4 fsdp (weights and AdamW state sharded there as they would be from its
@@ -242,6 +235,7 @@ def test_a_checkpoint_of_2_stages_x_2_fsdp_x_2_tensor_loads_into_other_layouts_a
         torch.testing.assert_close(losses, expected, rtol=RTOL, atol=ATOL)
 
 
+@pytest.mark.full  # bf16 compiling once is the quick tier's in spmd/test_pipe_contract.py and test_hf_models.py
 def test_bfloat16_llama_on_2_stages_x_2_fsdp_x_2_tensor_compiles_once():
     """Weights, activations and gradients in bf16, the blocks split over "tensor", SGD on
     the bf16 weights: three steps, one program, and the loss falls."""

@@ -63,6 +63,7 @@ def test_mixtral_stacks_its_mixture_of_experts_blocks():
     assert_loss_step_matches(pipe, reference, input_ids=ids, labels=ids)
 
 
+@pytest.mark.full  # the quick tier runs Llama, GPT-2's loss and Mixtral under spmd, every family on devices
 def test_bert_with_a_padding_mask_and_labels_split_over_fsdp_and_tensor():
     """An encoder: every block reads the extended attention mask, which travels
     with its microbatch; the MLM head is tied to the word embeddings. On 2 stages x
@@ -78,6 +79,7 @@ def test_bert_with_a_padding_mask_and_labels_split_over_fsdp_and_tensor():
     assert_loss_step_matches(pipe, reference, **inputs)
 
 
+@pytest.mark.full  # the quick tier runs Llama, GPT-2's loss and Mixtral under spmd, every family on devices
 def test_t5_stacks_its_longest_run_of_alike_blocks_split_over_tensor():
     """Each of T5's stacks starts with a block that holds the relative position bias;
     the other three of a 4-layer stack are alike and are stacked over 2 stages, each
@@ -93,6 +95,7 @@ def test_t5_stacks_its_longest_run_of_alike_blocks_split_over_tensor():
     assert_loss_step_matches(pipe, reference, **inputs)
 
 
+@pytest.mark.full  # dropout in the stacked body is the quick tier's in spmd/test_pipe_contract.py
 def test_gpt2_trains_with_its_dropout():
     """Dropout inside the exported blocks draws the loop's hashed masks (see
     xpipe.spmd.dropout): the loss differs from the plain model's by the masks, not
@@ -111,6 +114,7 @@ def test_gpt2_trains_with_its_dropout():
     assert losses[-1] < losses[0] - 0.1, losses
 
 
+@pytest.mark.full  # bf16 near float32 is the quick tier's in spmd/test_pipe_contract.py
 def test_llama_in_bfloat16_with_float32_master_weights_tracks_float32_training():
     """Mixed precision as a user sets it up: the pipelined model in bf16 (weights and
     activations through the clock loop), AdamW on float32 copies of its weights
@@ -157,6 +161,7 @@ def test_llama_in_bfloat16_with_float32_master_weights_tracks_float32_training()
     assert compiles[2:] == [compiles[1]] * 3, f"compiles after each step: {compiles}"
 
 
+@pytest.mark.full  # bf16 compiling once is the quick tier's in spmd/test_pipe_contract.py
 def test_llama_in_bfloat16_compiles_once_in_five_steps():
     """Pure bf16 (weights, activations, gradients, SGD on the bf16 weights): the step
     compiles once. Llama's rotary ``inv_freq`` buffer is an input of every step; had it
@@ -200,6 +205,7 @@ def test_token_ids_of_another_shape_are_refused_naming_the_input():
 LLAMA_EXAMPLE = Path(__file__).parents[2] / "examples" / "hf_llama.py"
 
 
+@pytest.mark.full
 def test_the_llama_example_learns_on_a_2x4_mesh():
     """``examples/hf_llama.py`` runs as written: a Hugging Face Llama on a 2 x 4 mesh,
     its padding mask travelling with the microbatches; the copy task's loss falls

@@ -137,7 +137,8 @@ def test_slices_that_a_stage_would_straddle_or_the_devices_do_not_have_are_refus
         xpipe.make_mesh(4, fsdp=2, slices=4)
 
 
-@pytest.mark.parametrize("checkpoint", ["always", "except_last", "never"])
+@pytest.mark.parametrize("checkpoint", [pytest.param("always", marks=pytest.mark.full), "except_last",
+                                        pytest.param("never", marks=pytest.mark.full)])
 def test_step_with_the_loss_inside_equals_the_plain_model(mesh, checkpoint):
     """``pipe.step`` under spmd runs GPipe: the loss and every gradient as the plain
     model's; 7 blocks on 4 stages (the body padded)."""

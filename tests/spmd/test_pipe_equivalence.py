@@ -10,6 +10,7 @@ two of them. The fsdp meshes are tested with Hugging Face models in
 import pytest
 
 from pipe_checks import assert_matches_reference, tiny_lm, tiny_mlp
+from tiers import in_full_tier
 
 MESHES = [(1, 8), (2, 4), (4, 2), (8, 1)]  # (data, stages)
 MODES = ["except_last", "always", "never"]
@@ -17,6 +18,9 @@ CASES = [(data, stages, chunks, MODES[i % 3])
          for i, (data, stages, chunks) in enumerate(
              (d, s, c) for d, s in MESHES for c in ((1, 4 * s) if s % 4 else (s, 4 * s)))]
 MLP_CASES = [(2, 4, 16, "except_last"), (4, 2, 1, "always")]  # the LM runs every mesh
+# The quick tier: a padded case (chunks=1), several microbatches per stage, and every checkpoint mode.
+QUICK_CASES = [(2, 4, 16, "except_last"), (4, 2, 8, "never"), (1, 8, 32, "always")]
+CASES = [case if case in QUICK_CASES else in_full_tier(*case) for case in CASES]
 
 
 @pytest.mark.parametrize("data, stages, chunks, checkpoint", MLP_CASES)

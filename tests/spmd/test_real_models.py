@@ -11,11 +11,12 @@ import torch
 import torch.nn.functional as F
 import torchvision
 from equivalence import assert_pipe_matches
+from tiers import in_full_tier
 
 import xpipe
 
 
-@pytest.mark.parametrize("stages, data", [(4, 2), (2, 4)])
+@pytest.mark.parametrize("stages, data", [(4, 2), in_full_tier(2, 4)])
 def test_vit_stacks_its_encoder_blocks(stages, data):
     torch.manual_seed(0)
     model = torchvision.models.VisionTransformer(image_size=32, patch_size=16, num_layers=4, num_heads=2,

@@ -27,6 +27,26 @@ def test_histc_counts_as_torch_does(bins, low, high):
     torch.testing.assert_close(histc(values, bins, low, high), torch.histc(values, bins, low, high))
 
 
+def test_histc_puts_values_on_bin_edges_where_torch_does():
+    """Every edge of the bins, and the floats either side of it, in float32 and float64:
+    the bin is torch's (a product by bins / (max - min) moved one count between bins 5
+    and 7 of 10 on [-1, 2])."""
+    generator = torch.Generator().manual_seed(0)
+    for bins, low, high in [(10, -1.0, 2.0), (7, 0.1, 0.8), (13, -2.7, 3.3), (3, 1e-3, 1.001)]:
+        edges = torch.linspace(low, high, bins + 1, dtype=torch.float64)
+        values = torch.cat([edges, edges.nextafter(edges + 1), edges.nextafter(edges - 1),
+                            torch.rand(200, generator=generator, dtype=torch.float64) * (high - low + 2) + low - 1])
+        for dtype in (torch.float32, torch.float64):
+            torch.testing.assert_close(histc(values.to(dtype), bins, low, high),
+                                       torch.histc(values.to(dtype), bins, low, high), rtol=0, atol=0,
+                                       msg=lambda m: f"bins={bins} [{low}, {high}] {dtype}: {m}")
+
+
+def test_integer_expert_ids_are_counted_exactly():
+    ids = torch.randint(0, 8, (1000,), generator=torch.Generator().manual_seed(0))
+    assert histc(ids, 8, 0, 7).tolist() == torch.bincount(ids, minlength=8).tolist()
+
+
 def test_only_the_listed_operators_are_rewritten():
     class Counts(torch.nn.Module):
         def forward(self, x):

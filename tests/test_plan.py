@@ -117,3 +117,30 @@ def test_the_python_api_names_what_is_missing():
     assert result.fitting and all(p.bytes <= GiB for p in result.fitting)
     assert [p.step_seconds for p in result.fitting] == sorted(p.step_seconds for p in result.fitting)
     assert torch.get_default_device().type == "cpu", "the meta device is not left as the default"
+
+
+@pytest.mark.parametrize("arguments, error, message", [
+    (dict(chip=None), TypeError, r"chip: expected a preset's name \(v4, v5e, v5p, v6e\) or an xpipe.planner.Chip, got "
+                                 r"NoneType"),
+    (dict(optimizer_states=-1), ValueError, r"optimizer_states: the tensors the optimizer keeps per weight, a whole "
+                                            r"number >= 0 \(AdamW 2, SGD with momentum 1, plain SGD 0\), got -1"),
+    (dict(optimizer_states=1.5), ValueError, r"optimizer_states: .* got 1.5"),
+    (dict(max_tensor=0), ValueError, r"max_tensor: must be a positive integer"),
+])
+def test_every_argument_is_checked_before_planning(arguments, error, message):
+    with pytest.raises(error, match=message):
+        xpipe.plan(LlamaConfig(**SMALL), devices=8, batch=16, **arguments)
+
+
+def test_configs_of_the_families_pipe_runs_are_planned():
+    """GPT-2 names its MLP width n_inner (None: four times the hidden size), OPT ffn_dim."""
+    from transformers import GPT2Config, OPTConfig
+
+    gpt2 = xpipe.plan(GPT2Config(n_layer=4, n_embd=64, n_head=4, vocab_size=1000), devices=8, batch=16, seq=128)
+    assert gpt2.fitting and gpt2.profile.blocks == 4
+    explicit = GPT2Config(n_layer=4, n_embd=64, n_head=4, n_inner=256, vocab_size=1000)
+    assert profile_of_config(explicit, 128).block_saved_bytes_per_row == \
+        profile_of_config(GPT2Config(n_layer=4, n_embd=64, n_head=4, vocab_size=1000), 128).block_saved_bytes_per_row
+    opt = OPTConfig(num_hidden_layers=4, hidden_size=64, num_attention_heads=4, ffn_dim=128, vocab_size=1000,
+                    word_embed_proj_dim=64)
+    assert xpipe.plan(opt, devices=8, batch=16, seq=128).fitting

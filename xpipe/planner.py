@@ -181,9 +181,13 @@ def plan(model: nn.Module | ModelProfile | Any, *, devices: int, batch: int, chi
     Raises:
         ValueError: naming the argument, for a bad count, size, chip or policy.
     """
+    if not isinstance(chip, (str, Chip)):
+        raise TypeError(f"chip: expected a preset's name ({', '.join(PRESETS)}) or an xpipe.planner.Chip, got "
+                        f"{type(chip).__name__}")
     chip = preset(chip) if isinstance(chip, str) else chip
     capacity = chip.memory if memory_per_device is None else memory_per_device
-    _check(devices=devices, batch=batch, capacity=capacity, slices=slices)
+    _check(devices=devices, batch=batch, capacity=capacity, slices=slices, max_tensor=max_tensor)
+    _check_optimizer_states(optimizer_states)
     profile = _profile(model, sample_input, seq)
     itemsize = profile.itemsize if itemsize is None else itemsize
     if itemsize not in (1, 2, 4, 8):
@@ -216,12 +220,18 @@ def _profile(model: nn.Module | ModelProfile | Any, sample_input: Any, seq: int)
                      f"{type(model).__name__}")
 
 
-def _check(*, devices: int, batch: int, capacity: int, slices: int) -> None:
+def _check(*, devices: int, batch: int, capacity: int, slices: int, max_tensor: int) -> None:
     for name, value in (("devices", devices), ("batch", batch), ("memory_per_device", capacity),
-                        ("slices", slices)):
+                        ("slices", slices), ("max_tensor", max_tensor)):
         check_positive_int(value, name)
     if devices % slices:
         raise ValueError(f"slices: {slices} slices do not divide the {devices} devices")
+
+
+def _check_optimizer_states(optimizer_states: int) -> None:
+    if isinstance(optimizer_states, bool) or not isinstance(optimizer_states, int) or optimizer_states < 0:
+        raise ValueError(f"optimizer_states: the tensors the optimizer keeps per weight, a whole number >= 0 "
+                         f"(AdamW 2, SGD with momentum 1, plain SGD 0), got {optimizer_states!r}")
 
 
 def layouts(profile: ModelProfile, devices: int, batch: int, checkpoints: tuple[str, ...] = ("except_last",),
@@ -265,6 +275,7 @@ def predict(profile: ModelProfile, layout: Layout, *, chip: Chip, batch: int, ca
             itemsize: int | None = None, optimizer_states: int = 2, tensor_rules: Rules | None = None,
             slices: int = 1) -> Prediction:
     """One layout's bytes per device, bubble, communication and step time (see :func:`plan`)."""
+    _check_optimizer_states(optimizer_states)
     itemsize = profile.itemsize if itemsize is None else itemsize
     profile = profile.scaled(itemsize)
     axes = layout.axes

@@ -121,7 +121,7 @@ def profile_of_config(config: Any, seq: int, itemsize: int = 2) -> ModelProfile:
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     head_dim = getattr(config, "head_dim", None) or hidden // heads
-    intermediate = config.intermediate_size
+    intermediate = _intermediate_size(config, hidden)
     vocab = config.vocab_size
     block_numel = sum(p.numel() for p in block.parameters())
     # Per row of seq tokens: every weight's multiply-add once per token, and attention's
@@ -141,6 +141,15 @@ def profile_of_config(config: Any, seq: int, itemsize: int = 2) -> ModelProfile:
         # The logits in the model's dtype, their float32 copy for the loss, and its gradient.
         outer_saved_bytes_per_row=seq * vocab * (itemsize + 8), itemsize=itemsize,
         heads=tuple(sorted({heads, kv_heads})))
+
+
+def _intermediate_size(config: Any, hidden: int) -> int:
+    """The MLP's inner width under each family's name for it (GPT-2's ``n_inner``, OPT's
+    ``ffn_dim``), or GPT-2's default of four times the hidden size."""
+    for name in ("intermediate_size", "n_inner", "ffn_dim"):
+        if getattr(config, name, None):
+            return getattr(config, name)
+    return 4 * hidden
 
 
 def _block_names(model: nn.Module) -> list[str]:

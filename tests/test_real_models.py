@@ -80,6 +80,21 @@ def test_padded_labels_give_the_plain_models_loss(family, chunks):
     assert_loss_step_matches(pipe, reference, **inputs)
 
 
+def test_a_microbatch_of_padding_only_adds_nothing_to_the_models_own_loss():
+    """Sorting by length puts the padding-only rows together: a microbatch whose labels
+    are all ignored means over nothing (NaN) and weighs 0; the step's loss and every
+    gradient are the plain model's (the loss was NaN)."""
+    model = gpt2(dropout=0.0)
+    reference = copy.deepcopy(model)
+    ids = tokens(8, 8)
+    labels = padded_labels(ids)
+    labels[:4] = -100  # the first of two microbatches
+    inputs = {"input_ids": ids, "labels": labels}
+    pipe = xpipe.Pipe(model, chunks=2, stages=2, executor="devices",
+                      sample_input={name: value[:2] for name, value in inputs.items()})
+    assert_loss_step_matches(pipe, reference, **inputs)
+
+
 def test_mixtral_experts_and_router_train_as_the_plain_model():
     """Data-dependent routing: each microbatch sends its tokens to other experts. The
     experts' grouped matmul runs as xpipe's substitute (:mod:`xpipe.substitutes`); as

@@ -78,6 +78,15 @@ def model_loss_items(module: torch.nn.Module, inputs: Mapping[str, Any]) -> Item
     return (labels != IGNORE_INDEX).sum()
 
 
+def weighted(loss: torch.Tensor, share: torch.Tensor | float) -> torch.Tensor:
+    """A microbatch's loss times its share of the batch's items; 0 for a microbatch
+    with no item to count (all its targets ignored), whose own mean over nothing is
+    NaN. Its gradient is 0 either way."""
+    if not isinstance(share, torch.Tensor):
+        return loss * share
+    return torch.where(share > 0, loss * share, torch.zeros_like(loss))
+
+
 def shares(items: list[Items]) -> list[torch.Tensor | float]:
     """Each microbatch's share of the batch's items (they sum to 1)."""
     total = sum(items)

@@ -103,6 +103,15 @@ def test_losses_over_unevenly_ignored_targets_equal_the_plain_models(loss_fn):
                         ignored_unevenly(16), loss_fn, chunks=4, stages=2, schedule="1f1b", executor="devices")
 
 
+def test_a_microbatch_whose_targets_are_all_ignored_adds_nothing():
+    """Its mean over no target is NaN; it weighs 0, so the loss, every gradient and the
+    buffers are the plain model's (the step's loss was NaN)."""
+    target = ignored_unevenly(16)
+    target[:4] = -100  # the whole first microbatch
+    assert_step_matches(mlp_stack(blocks=4, width=16, inputs=8, outputs=10), torch.randn(16, 8), target,
+                        torch.nn.CrossEntropyLoss(ignore_index=-100), chunks=4, stages=2, executor="devices")
+
+
 @pytest.mark.parametrize("device", [0, 1])
 def test_ignored_targets_already_on_a_device_count_as_on_the_host(device):
     """Targets from a device loader (on the first or the last stage's device): their

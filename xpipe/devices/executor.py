@@ -49,7 +49,7 @@ from xpipe._xla import to_host
 from xpipe.checkpoint import kept_cells
 from xpipe.devices.stages import StagedModel, StageProgram
 from xpipe.devices.ties import TiedCopies
-from xpipe.reduction import declares_reduction, loss_fn_items, model_loss_items, shares
+from xpipe.reduction import declares_reduction, loss_fn_items, model_loss_items, shares, weighted
 from xpipe.schedule import BACKWARD, FORWARD, WEIGHT_GRAD, Action, Schedule, by_name
 
 
@@ -594,7 +594,7 @@ class _Loss:
                              f"{list(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__}")
         if self.outputs is not None:
             self.outputs[microbatch] = tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, output)
-        return loss * self.weights[microbatch]
+        return weighted(loss, self.weights[microbatch])
 
     def total(self) -> torch.Tensor:
         """The step's loss: the shares summed."""
@@ -705,7 +705,7 @@ def _merge(parts: list[torch.Tensor], microbatch_dim: int | None,
     """One output from its microbatches' parts; a scalar (a loss) is their sum weighted
     by ``scalar_shares``."""
     if parts[0].dim() == 0:
-        return functools.reduce(operator.add, [part * share for part, share in zip(parts, scalar_shares)])
+        return functools.reduce(operator.add, [weighted(part, share) for part, share in zip(parts, scalar_shares)])
     if microbatch_dim is not None:
         return torch.stack(parts, microbatch_dim)
     return torch.cat(parts, 0)

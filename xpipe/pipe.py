@@ -84,7 +84,8 @@ class Pipe(nn.Module):
             ``torch.nn.CrossEntropyLoss()``. Its ``reduction`` (``"mean"`` or
             ``"sum"``) and ``ignore_index`` attributes say how the devices executor
             weighs the microbatches' losses (:mod:`xpipe.reduction`); a function
-            without them is taken to mean over rows, checked on its first step.
+            without them is taken to mean over rows, checked on its first step
+            (declare them for a loss that ignores targets: see docs/api.md).
         checkpoint: ``"always"``, ``"except_last"`` or ``"never"``: which
             microbatches recompute their stage activations in the backward pass.
         deferred_batch_norm: devices executor: BatchNorm layers normalise each

@@ -112,6 +112,25 @@ def test_a_microbatch_whose_targets_are_all_ignored_adds_nothing():
                         torch.nn.CrossEntropyLoss(ignore_index=-100), chunks=4, stages=2, executor="devices")
 
 
+def test_a_nan_from_a_microbatch_is_named_and_the_gradients_stay_as_they_were():
+    """An undeclared function around a loss that ignores -100, on a batch whose first
+    microbatch is all padding: that microbatch's mean is NaN, which the check names
+    (not as a reduction that sums); the gradients of the step before are untouched."""
+    ignoring = torch.nn.CrossEntropyLoss(ignore_index=-100)
+    pipe = xpipe.Pipe(mlp_stack(blocks=4, width=16, inputs=8, outputs=10), chunks=4, stages=2, executor="devices",
+                      loss_fn=lambda output, t: ignoring(output, t))
+    batch, target = torch.randn(16, 8), labels(16)
+    target[:4] = -100
+    earlier = {p: torch.ones_like(p) for p in pipe.parameters()}
+    for parameter, grad in earlier.items():
+        parameter.grad = grad
+    with pytest.raises(ValueError, match=r"loss_fn: the step's loss is nan where the whole batch's is [0-9.]+: a "
+                                         r"microbatch's loss is NaN or inf .* `ignore_index` attributes"):
+        pipe.step(batch, target)
+    assert all(parameter.grad is grad for parameter, grad in earlier.items())
+    assert all(torch.equal(grad.cpu(), torch.ones(grad.shape)) for grad in earlier.values())
+
+
 @pytest.mark.parametrize("device", [0, 1])
 def test_ignored_targets_already_on_a_device_count_as_on_the_host(device):
     """Targets from a device loader (on the first or the last stage's device): their
@@ -133,6 +152,7 @@ def test_a_loss_function_that_does_not_say_it_sums_is_caught_on_its_first_step()
     with pytest.raises(ValueError, match=r"loss_fn: on the whole batch it gives .* weighted by their rows give .*: "
                                          r"it does not mean over rows .* give the function a `reduction` attribute"):
         summing.step(batch, target)
+    assert all(p.grad is None for p in summing.parameters()), "a refused step leaves every gradient as it was"
     meaning = xpipe.Pipe(mlp_stack(blocks=4, width=16, inputs=8, outputs=10), chunks=4, stages=2,
                          executor="devices", loss_fn=lambda output, t: F.cross_entropy(output, t))
     for _ in range(2):  # checked once, then trusted

@@ -232,13 +232,18 @@ class DevicesPipeline(nn.Module):
         step = _Step(self, plan, split, microbatch_dim, differentiating=True, input_grads=[key for key, _ in wanted])
         check = loss_fn not in self.checked_losses and not declares_reduction(loss_fn)
         step.loss = _Loss(loss_fn, targets, self.stage_devices[-1], check)
+        grads_before = _grads([*self._module[0].parameters(), *(x for _, x in wanted)]) if check else {}
         with _guard_failures_explained():
             self.run_cells(plan.schedule.table, step.cell)
         self.batch_norm.commit()
         step.accumulate_into_grads([x for _, x in wanted])
         if check:
-            step.loss.check_reduction(microbatch_dim, step.scalar_shares)
-            self.checked_losses.append(loss_fn)
+            try:
+                if step.loss.check_reduction(microbatch_dim, step.scalar_shares):
+                    self.checked_losses.append(loss_fn)
+            except ValueError:
+                _restore_grads(grads_before)  # a refused step leaves every gradient as it was
+                raise
         return step.loss.total()
 
     def _begin(self, inputs: tuple[Any, ...], microbatch_dim: int | None) -> None:
@@ -600,13 +605,22 @@ class _Loss:
         """The step's loss: the shares summed."""
         return functools.reduce(operator.add, self.values)
 
-    def check_reduction(self, microbatch_dim: int | None, scalar_shares: list[torch.Tensor | float]) -> None:
-        """Raise unless ``loss_fn`` of the whole batch is the weighted microbatch losses."""
+    def check_reduction(self, microbatch_dim: int | None, scalar_shares: list[torch.Tensor | float]) -> bool:
+        """Raise unless ``loss_fn`` of the whole batch is the weighted microbatch losses;
+        False (nothing to compare: check another batch) where that loss is NaN or inf."""
         host_shares = _on_host(scalar_shares)
         whole_output, whole_target = (_merged_on_host(parts, microbatch_dim, host_shares)
                                       for parts in (self.outputs, self.targets))
         total = self.total()
         expected, got = self.fn(whole_output, whole_target).detach().float(), total.cpu().float()
+        if not torch.isfinite(expected):
+            return False
+        if not torch.isfinite(got):
+            raise ValueError(
+                f"loss_fn: the step's loss is {got.item()} where the whole batch's is {expected.item():.6g}: a "
+                "microbatch's loss is NaN or inf (a mean over no target, if all of a microbatch's targets are "
+                "ignored). Say how it reduces: give the function `reduction` ('mean') and `ignore_index` "
+                "attributes, or pass a torch loss such as nn.CrossEntropyLoss(ignore_index=-100)")
         tolerance = 1e-4 if total.dtype in (torch.float32, torch.float64) else 2e-2
         if not torch.allclose(got, expected, rtol=tolerance, atol=1e-6):
             raise ValueError(
@@ -615,6 +629,21 @@ class _Loss:
                 "and pipe.step would train on the wrong loss. Say how it reduces: give the function a "
                 "`reduction` attribute ('sum', or 'mean' with `ignore_index` for ignored integer targets), or "
                 "pass a torch loss such as nn.CrossEntropyLoss(ignore_index=-100)")
+        return True
+
+
+def _grads(tensors: list[torch.Tensor]) -> dict[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+    """Each tensor's ``.grad`` now, and a copy of its values (autograd adds into it in place)."""
+    return {tensor: None if tensor.grad is None else (tensor.grad, tensor.grad.clone()) for tensor in tensors}
+
+
+def _restore_grads(saved: dict[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]) -> None:
+    """Put back the ``.grad`` objects and values that :func:`_grads` saved."""
+    with torch.no_grad():
+        for tensor, before in saved.items():
+            if before is not None:
+                before[0].copy_(before[1])
+            tensor.grad = None if before is None else before[0]
 
 
 def _merged_on_host(microbatches: list[Any], microbatch_dim: int | None,

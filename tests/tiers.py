@@ -60,8 +60,9 @@ def in_tier(item: pytest.Item, tier: str) -> bool:
 def select_tier(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Keep the items of the tier asked for; report the others as deselected."""
     tier = config.getoption("tier")
-    kept = [item for item in items if in_tier(item, tier)]
-    dropped = [item for item in items if not in_tier(item, tier)]
+    kept, dropped = [], []
+    for item in items:
+        (kept if in_tier(item, tier) else dropped).append(item)
     if dropped:
         config.hook.pytest_deselected(items=dropped)
         items[:] = kept

@@ -54,8 +54,8 @@ def histc(input: torch.Tensor, bins: int = 100, min: float = 0.0, max: float = 0
     if min >= max:
         return torch.histc(input, bins, min, max)
     values = input.reshape(-1)
-    low, span = _range_as_torch_computes_it(input.dtype, min, max)
-    inside = (values >= low) & (values <= low + span)
+    low, high, span = _range_as_torch_computes_it(input.dtype, min, max)
+    inside = (values >= low) & (values <= high)
     # torch's own order, (x - min) * bins / (max - min), in the input's dtype: a value on a bin's edge
     # lands where torch puts it (a product by bins / (max - min) rounds otherwise); max goes in the last bin.
     bin_of = ((values - low) * bins / span).floor().long().clamp(0, bins - 1)
@@ -63,12 +63,12 @@ def histc(input: torch.Tensor, bins: int = 100, min: float = 0.0, max: float = 0
     return one_hot.sum(0).to(input.dtype)
 
 
-def _range_as_torch_computes_it(dtype: torch.dtype, min: float, max: float) -> tuple[float, float]:
-    """``min`` and ``max - min`` rounded as ``torch.histc`` rounds them: to the input's
-    floating dtype (float32 for integer inputs), the difference taken in it."""
+def _range_as_torch_computes_it(dtype: torch.dtype, min: float, max: float) -> tuple[float, float, float]:
+    """``min``, ``max`` and ``max - min`` rounded as ``torch.histc`` rounds them: to the
+    input's floating dtype (float32 for integer inputs), the difference taken in it."""
     dtype = dtype if dtype.is_floating_point else torch.float32
     low, high = torch.tensor(min, dtype=dtype), torch.tensor(max, dtype=dtype)
-    return low.item(), (high - low).item()
+    return low.item(), high.item(), (high - low).item()
 
 
 # an operator's name, as fx prints a call's target -> what runs in its place

@@ -318,8 +318,8 @@ def test_batch_norm_in_eval_mode_differentiates(checkpoint):
 @pytest.mark.parametrize("executor", ["devices", "auto"])
 def test_a_pipe_captures_its_model_once(captures, monkeypatch, executor):
     """A capture is most of a Pipe's construction time: one per Pipe, whatever the executor.
-    "auto" in a process that could still enter SPMD tries the stacked cut first (this
-    model's blocks do not pass a single tensor, so it falls back to devices)."""
+    "auto" in a process that could still enter SPMD reads the split from the same capture
+    (this model has no run of identical blocks to stack, so it falls back to devices)."""
     import xpipe.pipe as pipe_module
 
     monkeypatch.setattr(pipe_module, "can_enter_spmd", lambda: True)

@@ -139,12 +139,14 @@ def test_untraceable_model_is_rejected_with_the_fix():
 
 
 class Wide(nn.Module):
-    """A layer about 120 times the work of a Linear(64, 64): a margin that another
-    test process on the same cores (pytest -n 2) does not close."""
+    """A layer about 500 times the work of a Linear(64, 64). Beside busy processes on
+    the same cores (pytest -n 2), a narrow layer's median time grew to a scheduler
+    slice, about 16 ms, and at width 4096 four of them outweighed a wide layer (48 ms):
+    the split came out (2, 1, 4). At this width a wide layer took 130-150 ms there."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.up, self.down = nn.Linear(64, 4096), nn.Linear(4096, 64)
+        self.up, self.down = nn.Linear(64, 16384), nn.Linear(16384, 64)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down(self.up(x))

@@ -4,7 +4,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from xpipe.checkpoint import kept_cells
+from xpipe.recompute import kept_cells
 from xpipe.schedule import SCHEDULES, Action, Schedule, by_name, clocked, gpipe
 
 

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from xpipe.checkpoint import check_mode, recompute
+from xpipe.recompute import check_mode, recompute
 from xpipe.collectives import shift
 from xpipe.inspect import collectives
 from xpipe.spmd.dropout import hashed_dropout

@@ -1,72 +1,12 @@
-"""Activation recomputation (GPipe's checkpointing): which cells recompute, and how.
+"""The old name of :mod:`xpipe.recompute` (activation recomputation), one letter from
+:mod:`xpipe.checkpoints` (saving and loading): kept so that code written against it
+still runs, with a warning that names the new module."""
 
-:func:`kept_cells` is the one policy both executors follow: from a schedule and a
-mode, the (model stage, microbatch) cells whose forward keeps its activations;
-every other cell keeps only its inputs and runs again in the backward pass.
+import warnings
 
-``recompute(fn, *tensors)`` runs ``fn`` without recording its intermediates and,
-in the backward pass, runs it again to get them. Only the inputs are kept. It is a
-plain autograd.Function, so it also works inside the XLA loop that
-``torch_xla.experimental.scan`` traces with AOTAutograd (where
-``torch.utils.checkpoint`` does not: it looks up ``torch.xla``).
-"""
+from xpipe.recompute import MODES, check_mode, kept_cells, recompute
 
-from __future__ import annotations
+warnings.warn("xpipe.checkpoint is now xpipe.recompute (activation recomputation); import from there",
+              DeprecationWarning, stacklevel=2)
 
-from collections.abc import Callable
-
-import torch
-
-from xpipe.schedule import FORWARD, Schedule
-
-MODES = ("always", "except_last", "never")
-
-
-def check_mode(checkpoint: str) -> str:
-    """Return ``checkpoint`` if it is a known mode, else raise naming the options."""
-    if checkpoint not in MODES:
-        raise ValueError(f"checkpoint: {checkpoint!r} is not a mode; use one of {', '.join(MODES)}")
-    return checkpoint
-
-
-def kept_cells(schedule: Schedule, checkpoint: str) -> frozenset[tuple[int, int]]:
-    """The (model stage, microbatch) cells of ``schedule`` that keep their activations.
-
-    ``"never"`` recomputes nothing, so every cell keeps; ``"always"`` keeps none.
-    ``"except_last"`` keeps the forwards that run from the clock at which the last
-    microbatch enters the pipeline (its forward on model stage 0) on: the drain,
-    whose backwards follow soon, so recomputing them would save little memory for
-    a whole extra forward. Under GPipe that is microbatch ``chunks - 1 - s`` and
-    later on stage ``s``: on one stage, only the last microbatch, as in GPipe.
-    """
-    cells = [(clock, action) for clock, row in enumerate(schedule.table) for action in row
-             if action is not None and action.kind == FORWARD]
-    if check_mode(checkpoint) == "never":
-        return frozenset((a.stage, a.microbatch) for _, a in cells)
-    if checkpoint == "always":
-        return frozenset()
-    entry = next(clock for clock, a in cells if a.stage == 0 and a.microbatch == schedule.chunks - 1)
-    return frozenset((a.stage, a.microbatch) for clock, a in cells if clock >= entry)
-
-
-def recompute(fn: Callable[..., torch.Tensor], *tensors: torch.Tensor) -> torch.Tensor:
-    """``fn(*tensors)``, keeping only ``tensors`` for the backward pass."""
-    return _Recompute.apply(fn, *tensors)
-
-
-class _Recompute(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, fn: Callable[..., torch.Tensor], *tensors: torch.Tensor) -> torch.Tensor:
-        ctx.fn = fn
-        ctx.save_for_backward(*tensors)
-        with torch.no_grad():
-            return fn(*tensors)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        inputs = [t.detach().requires_grad_(t.is_floating_point()) for t in ctx.saved_tensors]
-        with torch.enable_grad():
-            output = ctx.fn(*inputs)
-        wanted = [t for t in inputs if t.requires_grad]
-        grads = iter(torch.autograd.grad(output, wanted, grad, allow_unused=True))
-        return (None, *(next(grads) if t.requires_grad else None for t in inputs))
+__all__ = ["MODES", "check_mode", "kept_cells", "recompute"]

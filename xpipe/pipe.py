@@ -30,7 +30,7 @@ from xpipe._checks import check_positive_int
 from xpipe._retired import retire
 from xpipe._xla import can_enter_spmd, kept_shardings, move_keeping_ties, rebind, restore_shardings, warm_autograd
 from xpipe.capture import Captured, place_constants_on, trace_layers
-from xpipe.checkpoint import check_mode
+from xpipe.recompute import check_mode
 from xpipe.chunks import Chunks
 from xpipe.devices.executor import DevicesPipeline
 from xpipe.devices.stages import cut_into_stages

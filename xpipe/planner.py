@@ -23,7 +23,7 @@ from typing import Any
 from torch import nn
 
 from xpipe._checks import check_positive_int
-from xpipe.checkpoint import MODES, kept_cells
+from xpipe.recompute import MODES, kept_cells
 from xpipe.layout import MeshAxes, microbatch_slots, spread
 from xpipe.memory import per_device
 from xpipe.profile import ModelProfile, profile_of_config, profile_of_model
@@ -352,7 +352,7 @@ def _ring(size: int) -> float:
 
 
 def _kept_per_rank(schedule: Schedule, checkpoint: str) -> tuple[int, ...]:
-    """Per rank, the cells whose forward keeps its activations (:func:`xpipe.checkpoint.kept_cells`)."""
+    """Per rank, the cells whose forward keeps its activations (:func:`xpipe.recompute.kept_cells`)."""
     return _kept_counts(schedule.name, schedule.stages, schedule.chunks, schedule.virtual, checkpoint)
 
 

@@ -21,7 +21,7 @@ the host traces the next cell. Values cross devices with ``.to(device)``, which
 waits for the value to be ready; a skip connection goes straight from the stage
 that makes it to each stage that reads it.
 
-Checkpointing follows :func:`xpipe.checkpoint.kept_cells`: a recomputed cell keeps only its stage inputs
+Checkpointing follows :func:`xpipe.recompute.kept_cells`: a recomputed cell keeps only its stage inputs
 (and the device's random-number state, so dropout repeats its mask) and runs the
 stage again in the backward pass; a kept one has the activations autograd saves
 materialised on the device together with its outputs.
@@ -46,7 +46,7 @@ from torch.utils._pytree import TreeSpec, tree_flatten, tree_map, tree_unflatten
 from xpipe._batch import check_outputs, rows
 from xpipe._batchnorm import RunningStatistics
 from xpipe._xla import to_host
-from xpipe.checkpoint import kept_cells
+from xpipe.recompute import kept_cells
 from xpipe.devices.stages import StagedModel, StageProgram
 from xpipe.devices.ties import TiedCopies
 from xpipe.reduction import declares_reduction, loss_fn_items, model_loss_items, shares, weighted

@@ -32,7 +32,7 @@ from xpipe._batch import check_outputs
 from xpipe._batchnorm import RunningStatistics
 from xpipe._xla import HostShards, host_shards, shard_buffers, to_host
 from xpipe.chunks import Chunks, Piece, ShardSource, flat_boxes, from_shards
-from xpipe.checkpoint import kept_cells, recompute
+from xpipe.recompute import kept_cells, recompute
 from xpipe.layout import spread, stored_shape
 from xpipe.schedule import Schedule, circular, gpipe
 from xpipe.spmd.conveyor import Layout, column_tables, from_slots, make_layout, make_tick, to_slots
@@ -550,7 +550,7 @@ def _as_tuple(value) -> tuple:
 def _first_kept_clock(schedule: Schedule, checkpoint: str) -> int:
     """The forward clock from which every cell keeps its activations (the clock loop
     splits there: one scan that recomputes, one that keeps); the policy is
-    :func:`xpipe.checkpoint.kept_cells`, whose kept cells form a suffix of clocks."""
+    :func:`xpipe.recompute.kept_cells`, whose kept cells form a suffix of clocks."""
     kept = kept_cells(schedule, checkpoint)
     rows = schedule.forward_clocks()
     return next((clock for clock, row in enumerate(rows)

@@ -14,7 +14,9 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 import xpipe.checkpoints
-import xpipe.chunks
+import xpipe.checkpoints.pieces
+import xpipe.checkpoints.shards
+import xpipe.checkpoints.state
 import xpipe._xla
 
 
@@ -50,7 +52,7 @@ def _is_sharded(tensor: torch.Tensor) -> bool:
 def no_sharded_tensor_put_together():
     """Fail if a save puts a sharded tensor together on the host: through ``to_host``,
     ``.cpu()`` or the assembling of shards."""
-    original_to_host, original_cpu = xpipe.checkpoints.to_host, torch.Tensor.cpu
+    original_to_host, original_cpu = xpipe.checkpoints.state.to_host, torch.Tensor.cpu
 
     def to_host(tensors):
         assert not any(_is_sharded(t) for t in tensors), "a sharded tensor reached the host whole (to_host)"
@@ -63,12 +65,12 @@ def no_sharded_tensor_put_together():
     def assembled(*_):
         raise AssertionError("a sharded tensor was put together from its shards")
 
-    xpipe.checkpoints.to_host, torch.Tensor.cpu = to_host, cpu
+    xpipe.checkpoints.state.to_host, torch.Tensor.cpu = to_host, cpu
     original_assembled, xpipe._xla._assembled = xpipe._xla._assembled, assembled
     try:
         yield
     finally:
-        xpipe.checkpoints.to_host, torch.Tensor.cpu = original_to_host, original_cpu
+        xpipe.checkpoints.state.to_host, torch.Tensor.cpu = original_to_host, original_cpu
         xpipe._xla._assembled = original_assembled
 
 
@@ -94,7 +96,7 @@ class HeldShards:
 def held_shards():
     """Record :class:`HeldShards` while the block saves."""
     record = HeldShards()
-    original_fetch, original_read = xpipe._xla.HostShards.fetch, xpipe._xla.HostShards.read
+    original_fetch, original_read = xpipe.checkpoints.shards.HostShards.fetch, xpipe.checkpoints.shards.HostShards.read
 
     def fetch(self):
         original_fetch(self)
@@ -114,14 +116,14 @@ def held_shards():
             record.record_written(data)
         return original_write_item(transforms, stream, data, *args)
 
-    original_write_item = xpipe.chunks._write_item
-    xpipe._xla.HostShards.fetch, xpipe._xla.HostShards.read = fetch, read
-    xpipe.chunks._write_item = write_item
+    original_write_item = xpipe.checkpoints.pieces._write_item
+    xpipe.checkpoints.shards.HostShards.fetch, xpipe.checkpoints.shards.HostShards.read = fetch, read
+    xpipe.checkpoints.pieces._write_item = write_item
     try:
         yield record
     finally:
-        xpipe._xla.HostShards.fetch, xpipe._xla.HostShards.read = original_fetch, original_read
-        xpipe.chunks._write_item = original_write_item
+        xpipe.checkpoints.shards.HostShards.fetch, xpipe.checkpoints.shards.HostShards.read = original_fetch, original_read
+        xpipe.checkpoints.pieces._write_item = original_write_item
 
 
 @contextlib.contextmanager
@@ -130,7 +132,7 @@ def loaded_from_shards():
     each to every device); yield the loads from shard buffers, as (the tensor's shape,
     whether it is tiled, the shapes of its places), in order."""
     loads = []
-    original_load_into, original_to_device = xpipe._xla.ShardBuffers.load_into, xpipe._xla.ShardBuffers.to_device
+    original_load_into, original_to_device = xpipe.checkpoints.shards.ShardBuffers.load_into, xpipe.checkpoints.shards.ShardBuffers.to_device
     original_load_state_dict = xpipe.Pipe.load_state_dict
 
     def record(buffers, shape):
@@ -149,12 +151,12 @@ def loaded_from_shards():
     def load_state_dict(*_, **__):
         raise AssertionError("a load sent whole tensors to a Pipe's devices (Pipe.load_state_dict)")
 
-    xpipe._xla.ShardBuffers.load_into, xpipe._xla.ShardBuffers.to_device = load_into, to_device
+    xpipe.checkpoints.shards.ShardBuffers.load_into, xpipe.checkpoints.shards.ShardBuffers.to_device = load_into, to_device
     xpipe.Pipe.load_state_dict = load_state_dict
     try:
         yield loads
     finally:
-        xpipe._xla.ShardBuffers.load_into, xpipe._xla.ShardBuffers.to_device = original_load_into, original_to_device
+        xpipe.checkpoints.shards.ShardBuffers.load_into, xpipe.checkpoints.shards.ShardBuffers.to_device = original_load_into, original_to_device
         xpipe.Pipe.load_state_dict = original_load_state_dict
 
 

@@ -70,3 +70,20 @@ def captures(monkeypatch) -> list[str]:
     monkeypatch.setattr(capture, "_trace_fx", counting("fx", capture._trace_fx))
     monkeypatch.setattr(capture, "_export", counting("export", capture._export))
     return made
+
+
+@pytest.fixture
+def schedule_builds(monkeypatch) -> list[str]:
+    """The schedules built from here on (by name, through ``xpipe.schedule.by_name``), in order."""
+    from xpipe import schedule
+
+    built: list[str] = []
+
+    def counting(name: str, build):
+        def counted(*args):
+            built.append(name)
+            return build(*args)
+        return counted
+
+    monkeypatch.setattr(schedule, "SCHEDULES", {name: counting(name, build) for name, build in schedule.SCHEDULES.items()})
+    return built

@@ -76,7 +76,7 @@ def host_gradients(pipe: xpipe.Pipe) -> dict[str, torch.Tensor]:
     parameters = [p for p in pipe.parameters() if p.grad is not None]
     hosts = to_host([p.grad for p in parameters])
     found = {name: part for parameter, host in zip(parameters, hosts)
-             for name, part in pipe.runner.named_slices(parameter, host)}
+             for name, part in pipe.checkpoint_state().named_slices(parameter, host)}
     by_gradient = {id(p.grad): host for p, host in zip(parameters, hosts)}
     for name, gradient in pipe.named_gradients().items():
         if name not in found and gradient is not None and id(gradient) in by_gradient:

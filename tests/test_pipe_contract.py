@@ -316,20 +316,25 @@ def test_batch_norm_in_eval_mode_differentiates(checkpoint):
 
 
 @pytest.mark.parametrize("executor", ["devices", "auto"])
-def test_a_pipe_captures_its_model_once(captures, monkeypatch, executor):
+def test_a_pipe_captures_its_model_once_and_builds_its_schedule_once(captures, schedule_builds, monkeypatch,
+                                                                     executor):
     """A capture is most of a Pipe's construction time: one per Pipe, whatever the executor.
     "auto" in a process that could still enter SPMD reads the split from the same capture
-    (this model has no run of identical blocks to stack, so it falls back to devices)."""
-    import xpipe.pipe as pipe_module
+    (this model has no run of identical blocks to stack, so it falls back to devices).
+    The schedule the user named is built once, and is the one the executor runs."""
+    import xpipe.build
 
-    monkeypatch.setattr(pipe_module, "can_enter_spmd", lambda: True)
-    pipe = xpipe.Pipe(small_cnn(), chunks=2, stages=2, executor=executor)
+    monkeypatch.setattr(xpipe.build, "can_enter_spmd", lambda: True)
+    pipe = xpipe.Pipe(small_cnn(), chunks=2, stages=2, executor=executor, schedule="1f1b")
     assert pipe.executor == "devices"
     assert captures == ["fx"]
+    assert schedule_builds == ["1f1b"]
+    assert pipe.runner.schedule is pipe.schedule
 
 
-def test_a_hugging_face_pipe_is_exported_once(captures):
+def test_a_hugging_face_pipe_is_exported_once(captures, schedule_builds):
     from hf_models import gpt2, tokens
 
     xpipe.Pipe(gpt2(layers=2), chunks=2, stages=2, executor="devices", sample_input={"input_ids": tokens(4)})
     assert captures == ["fx", "export"]  # fx cannot open the model: export captures it, once
+    assert schedule_builds == ["gpipe"]

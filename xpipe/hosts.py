@@ -21,11 +21,11 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-import torch_xla
 import torch_xla.distributed.spmd as xs
 import torch_xla.runtime as xr
 
 from xpipe._checks import check_positive_int
+from xpipe._xla import tensor_from_shards
 
 
 @dataclass(frozen=True)
@@ -123,8 +123,7 @@ def assembled(share: torch.Tensor, sharding: xs.ShardingSpec, batch_dim: int, ho
     shape = list(share.shape)
     shape[batch_dim] = global_rows(sharding, share.shape[batch_dim], batch_dim, hosts)
     op_sharding = sharding.mesh.get_op_sharding(sharding.partition_spec)
-    return torch_xla._XLAC._global_tensor_from_cpu_shards(device_shards(share, sharding, batch_dim, hosts),
-                                                          op_sharding, shape)
+    return tensor_from_shards(device_shards(share, sharding, batch_dim, hosts), op_sharding, shape)
 
 
 @dataclass(frozen=True)

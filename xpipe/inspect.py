@@ -91,9 +91,9 @@ def enable_hlo_dump(directory: str | os.PathLike | None = None) -> Path:
     Raises:
         RuntimeError: if the runtime has already started.
     """
-    import torch_xla
+    from xpipe._xla import runtime_started
 
-    if torch_xla._XLAC._xla_runtime_is_initialized():
+    if runtime_started():
         raise RuntimeError("enable_hlo_dump: the XLA runtime has already started; call it before the "
                            "first XLA tensor is made (e.g. right after import)")
     if not directory:
@@ -122,6 +122,8 @@ def audit(step: Callable[[], object], mesh: Any = None) -> CommunicationReport:
     """
     import torch_xla
 
+    from xpipe._xla import wait_device_ops
+
     directory = os.environ.get("XPIPE_HLO_DUMP")
     if not directory:
         raise RuntimeError("audit: call xpipe.inspect.enable_hlo_dump() before the XLA runtime starts")
@@ -129,7 +131,7 @@ def audit(step: Callable[[], object], mesh: Any = None) -> CommunicationReport:
     before = set(glob.glob(pattern))
     result = step()  # kept alive through the sync, so that its graph is compiled
     torch_xla.sync()
-    torch_xla._XLAC._xla_wait_device_ops([])
+    wait_device_ops()
     new = sorted(set(glob.glob(pattern)) - before, key=os.path.getsize)
     del result
     if not new:

@@ -409,3 +409,28 @@ def _tupled(value: Any) -> Any:
 
 def _as_tuple(value: Any) -> Any:
     return tuple(_as_tuple(item) for item in value) if isinstance(value, list) else value
+
+
+def spmd_balance(plan: Partition, per_stage: tuple[int, ...]) -> list[int]:
+    """Layers per model stage when ``per_stage`` blocks of the body go to each, the
+    layers before the body to the first and those after it to the last."""
+    repeated = plan.repeated
+    blocks = [count * repeated.period for count in per_stage]
+    post = sum(plan.balance) - repeated.start - repeated.period * repeated.count
+    return [blocks[0] + repeated.start, *blocks[1:-1], blocks[-1] + post] if len(blocks) > 1 else [sum(plan.balance)]
+
+
+def spmd_partition(plan: Partition, per_stage: tuple[int, ...], balance: Sequence[int] | None) -> Partition:
+    """The partition the spmd executor runs: the body spread evenly over the model
+    stages, pre on the first and post on the last (they run data-parallel over the
+    whole mesh)."""
+    repeated = plan.repeated
+    layers = spmd_balance(plan, per_stage)
+    if min(layers) < 1:
+        raise ValueError(f"virtual: the model's body has {repeated.count} blocks, too few for "
+                         f"{len(per_stage)} model stages (stages x virtual) to hold a layer each; use a smaller "
+                         "virtual")
+    if balance is not None and list(balance) != layers:
+        raise ValueError(f"balance: the spmd executor spreads the {repeated.count} blocks evenly, which gives "
+                         f"balance={layers}; pass that or leave balance out")
+    return rebalanced(plan, layers)

@@ -19,31 +19,19 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
-import torch_xla
 import torch_xla.distributed.spmd as xs
-import torch_xla.runtime as xr
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
 from xpipe._batch import batch_size, check_floating_inputs
 from xpipe._checks import check_positive_int
-from xpipe._retired import retire
-from xpipe._xla import can_enter_spmd, kept_shardings, move_keeping_ties, rebind, restore_shardings, warm_autograd
-from xpipe.capture import Captured, place_constants_on, trace_layers
+from xpipe._xla import kept_shardings, restore_shardings
+from xpipe.build import ModelCapture, Options, build_devices, build_spmd, choose_executor
+from xpipe.checkpoints.state import CheckpointState
+from xpipe.partition import Partition
 from xpipe.recompute import check_mode
-from xpipe.chunks import Chunks
-from xpipe.devices.executor import DevicesPipeline
-from xpipe.devices.stages import cut_into_stages
-from xpipe.layout import spread
-from xpipe.mesh import axes_of, make_mesh, mesh_axes, spmd_device
-from xpipe.partition import Partition, partition_captured, rebalanced
-from xpipe.schedule import Schedule, by_name
-from xpipe.spmd.executor import SCHEDULES as SPMD_SCHEDULES
-from xpipe.spmd.executor import SpmdPipeline
-from xpipe.spmd.stacking import StackedModel, cut_for_stacking
-from xpipe.tensor_rules import check_head_counts, check_rules
-
-EXECUTORS = ("auto", "spmd", "devices")
+from xpipe.schedule import Schedule, check_schedule
+from xpipe.tensor_rules import check_rules
 
 
 class Pipe(nn.Module):
@@ -147,77 +135,23 @@ class Pipe(nn.Module):
         if not isinstance(deferred_batch_norm, bool):
             raise ValueError(f"deferred_batch_norm: must be True or False, got {deferred_batch_norm!r}")
         self.virtual = check_positive_int(virtual, "virtual")
-        by_name(schedule, 1, 1, virtual)  # an unknown name, or a virtual it cannot run, fails before device work
+        check_schedule(schedule, virtual)  # an unknown name, or a virtual it cannot run, fails before device work
         if loss_fn is not None and not callable(loss_fn):
             raise TypeError(f"loss_fn: expected a callable loss_fn(output, target), got {type(loss_fn).__name__}")
         self.__dict__["loss_fn"] = loss_fn  # not a submodule: the loss is not part of the model's state
-        tensor_rules = check_rules(tensor_rules)
-        capture = _Capture(module, sample_input)
-        self.executor = _choose_executor(executor, capture, mesh, stages, balance, schedule, virtual)
+        options = Options(self.chunks, stages, balance, mesh, schedule, self.virtual, self.checkpoint,
+                          deferred_batch_norm, check_rules(tensor_rules))
+        capture = ModelCapture(module, sample_input)
+        self.executor = choose_executor(executor, capture, options)
         self._original_keys = list(module.state_dict(keep_vars=True))
-        if self.executor == "spmd":
-            self._build_spmd(capture, balance, mesh, stages, schedule, tensor_rules)
-        elif tensor_rules:
-            raise ValueError("tensor_rules: the devices executor has no 'tensor' axis to split weights over; use "
-                             "executor='spmd' with a mesh from xpipe.make_mesh(..., tensor=N), or leave them out")
-        else:
-            self._build_devices(capture, balance, mesh, stages, schedule, deferred_batch_norm)
+        built = (build_spmd if self.executor == "spmd" else build_devices)(capture, options)
+        self.runner = built.runner
+        self.partition: Partition = built.partition
+        self.schedule: Schedule = built.schedule
+        self.mesh: xs.Mesh | None = built.mesh
+        self.devices: list[torch.device] = built.devices
         if not module.training:
             self.eval()  # a model wrapped in eval mode stays in eval mode
-
-    def _build_spmd(self, capture: _Capture, balance: Sequence[int] | None, mesh: xs.Mesh | None,
-                    stages: int | None, schedule: str, tensor_rules: dict[str, int | None]) -> None:
-        module = capture.module
-        if schedule not in SPMD_SCHEDULES:
-            raise ValueError(f"schedule: the spmd executor runs {' and '.join(map(repr, SPMD_SCHEDULES))} (its "
-                             f"clock loop is GPipe's fill-drain, once or round the stage ring), not {schedule!r}; "
-                             "use one of those, or executor='devices'")
-        stages = _spmd_stage_count(mesh, stages, balance, self.virtual)
-        by_name(schedule, stages, self.chunks, self.virtual)  # refuses what the ring cannot run, before device work
-        if mesh is not None:
-            check_head_counts(module, axes_of(mesh).tensor)
-        plan, stacked = capture.whole(), capture.stacked()
-        if len(stacked.blocks) < stages:
-            raise ValueError(f"stages: the model's body (its longest run of identical blocks) has "
-                             f"{len(stacked.blocks)} blocks, fewer than the {stages} stages; use at most "
-                             f"{len(stacked.blocks)} stages, or executor='devices'")
-        self.partition: Partition = _spmd_partition(plan, spread(len(stacked.blocks), stages * self.virtual), balance)
-        self.mesh = mesh if mesh is not None else make_mesh(stages)  # the process enters SPMD mode here
-        device = spmd_device()
-        self.devices = [device]
-        rebind(module, move_keeping_ties([stacked.pre, stacked.post], device))
-        for piece in [stacked.pre, *stacked.blocks, stacked.post]:
-            place_constants_on(piece, device)
-        self.runner = SpmdPipeline(stacked, self.mesh, self.chunks, self.checkpoint, device, _tie_groups(module),
-                                   self.virtual, tensor_rules)
-        self.schedule: Schedule = self.runner.schedule  # chunks rounded up to a multiple of stages, as it runs
-        retire(module, [p for block in stacked.blocks for p in block.parameters()])
-
-    def _build_devices(self, capture: _Capture, balance: Sequence[int] | None, mesh: xs.Mesh | None,
-                       stages: int | None, schedule: str, deferred_batch_norm: bool) -> None:
-        module = capture.module
-        if mesh is not None:
-            raise ValueError("mesh: the devices executor puts one stage on each XLA device and takes no mesh; "
-                             "leave mesh out, or use executor='spmd'")
-        if xr.is_spmd():
-            raise ValueError("executor: this process is in SPMD mode, where the 'devices' executor cannot run; "
-                             "use executor='spmd', or run the devices executor in a process without SPMD")
-        stages = _stage_count(stages, balance, xr.global_runtime_device_count(), self.virtual)
-        self.mesh = None
-        self.schedule = by_name(schedule, stages, self.chunks, self.virtual)
-        self.partition = rebalanced(capture.whole(), balance, stages=stages * self.virtual)
-        staged = cut_into_stages(module, self.partition, capture.sample_input, capture.captured)
-        self.devices = [torch_xla.device(index) for index in range(stages)]
-        warm_autograd(self.devices[0])
-        placed: set[int] = set()
-        for stage, program in enumerate(staged.stages):
-            device = self.devices[self.schedule.rank_of(stage)]
-            # The model holds what trains; a weight tied across devices stays with its first stage.
-            rebind(module, move_keeping_ties([program.module], device, keep=placed))
-            placed.update(id(t) for t in [*program.module.parameters(), *program.module.buffers()])
-            place_constants_on(program.module, device)
-        self.runner = DevicesPipeline(staged, self.devices, self.schedule, self.checkpoint, module,
-                                      deferred_batch_norm=deferred_batch_norm)
 
     def forward(self, *inputs: torch.Tensor, microbatch_dim: int | None = None, **keyword_inputs: torch.Tensor):
         inputs, microbatch_dim = self._prepared(inputs, keyword_inputs, microbatch_dim)
@@ -284,22 +218,14 @@ class Pipe(nn.Module):
         """The wrapped module's state: exactly its keys and shapes, the body unstacked."""
         state = OrderedDict() if destination is None else destination
         for key in self._original_keys:
-            tensor = self.runner.state_tensor(key)
+            tensor = self.runner.state.state_tensor(key)
             state[prefix + key] = tensor if keep_vars else tensor.detach()
         return state
 
     def host_state_dict(self) -> dict[str, torch.Tensor]:
         """``state_dict()`` as CPU copies, fetched a whole tensor at a time: under spmd,
         moving each block's view of the stacked weights would compile a program per view."""
-        return self.runner.host_state(self._original_keys)
-
-    def host_state_chunks(self) -> dict[str, Chunks | torch.Tensor]:
-        """``state_dict()`` as what this host holds of it, for checkpoints: under spmd each
-        tensor as the pieces of its shards (:mod:`xpipe.chunks`), never put together;
-        with the devices executor, CPU copies."""
-        if isinstance(self.runner, SpmdPipeline):
-            return self.runner.state_chunks(self._original_keys)
-        return self.host_state_dict()
+        return self.runner.state.host_state(self._original_keys)
 
     def load_state_dict(self, state_dict: Mapping[str, torch.Tensor], strict: bool = True, assign: bool = False):
         """Load a state dict of the wrapped module (as ``module.state_dict()`` gives)."""
@@ -307,7 +233,7 @@ class Pipe(nn.Module):
         unexpected = [k for k in state_dict if k not in self._original_keys]
         if strict and (missing or unexpected):
             raise RuntimeError(f"state_dict: missing keys {missing}, unexpected keys {unexpected}")
-        targets = {key: self.runner.state_tensor(key) for key in state_dict if key in self._original_keys}
+        targets = {key: self.runner.state.state_tensor(key) for key in state_dict if key in self._original_keys}
         for key, target in targets.items():
             if target.shape != state_dict[key].shape:
                 raise RuntimeError(f"state_dict: {key!r} has shape {list(state_dict[key].shape)}, "
@@ -319,19 +245,20 @@ class Pipe(nn.Module):
         restore_shardings(shardings)
         return nn.modules.module._IncompatibleKeys(missing, unexpected)
 
+    def checkpoint_state(self) -> CheckpointState:
+        """The wrapped module's state as ``xpipe.save`` and ``xpipe.load`` read and
+        write it (:mod:`xpipe.checkpoints.state`): the executor's own view of it."""
+        return self.runner.state
+
+    def checkpoint_layout(self) -> dict[str, Any]:
+        """The layout a checkpoint's manifest records (a load into any layout ignores it)."""
+        mesh = None if self.mesh is None else dict(zip(self.mesh.axis_names, map(int, self.mesh.mesh_shape)))
+        return {"executor": self.executor, "stages": len(self.partition.balance),
+                "balance": list(self.partition.balance), "mesh": mesh}
+
     def named_gradients(self) -> dict[str, torch.Tensor | None]:
         """Gradients under the wrapped module's parameter names, the body unstacked."""
-        return self.runner.named_gradients()
-
-
-def _tie_groups(module: nn.Module) -> dict[str, tuple[str, ...]]:
-    """Each ``state_dict`` key of ``module``, in order, with every key that names the
-    same tensor (a weight tied between the embedding and the head has two)."""
-    state = module.state_dict(keep_vars=True)
-    names: dict[int, list[str]] = {}
-    for key, tensor in state.items():
-        names.setdefault(id(tensor), []).append(key)
-    return {key: tuple(names[id(tensor)]) for key, tensor in state.items()}
+        return self.runner.state.named_gradients()
 
 
 def _in_order(inputs: tuple, keyword_inputs: dict[str, Any], names: tuple[str, ...]) -> tuple:
@@ -347,87 +274,6 @@ def _in_order(inputs: tuple, keyword_inputs: dict[str, Any], names: tuple[str, .
     return inputs + tuple(keyword_inputs[name] for name in names[len(inputs):])
 
 
-def _choose_executor(executor: str, capture: _Capture, mesh: xs.Mesh | None, stages: int | None,
-                     balance: Sequence[int] | None, schedule: str, virtual: int) -> str:
-    """``executor``, with ``"auto"`` resolved: spmd for a mesh, an SPMD process or a
-    model with a stackable run of at least one identical block per stage and a
-    layer per model stage (and a stage count that divides the devices), when the
-    schedule is one spmd runs and the process has not used XLA devices outside
-    SPMD mode; devices otherwise. Touches no device."""
-    if executor not in EXECUTORS:
-        raise ValueError(f"executor: {executor!r} is not an executor; use one of {', '.join(EXECUTORS)}")
-    if executor != "auto":
-        return executor
-    if mesh is not None or xr.is_spmd():
-        return "spmd"
-    if schedule not in SPMD_SCHEDULES or not can_enter_spmd():
-        return "devices"  # a schedule spmd does not run, or XLA devices already used without SPMD
-    requested = _requested_stages(stages, balance, virtual)
-    devices = xr.global_runtime_device_count()
-    stages = devices if requested is None else check_positive_int(requested, "stages")
-    if devices % stages:
-        return "devices"  # no data x stage mesh has this many stages
-    try:
-        plan, stacked = capture.whole(), capture.stacked()
-    except ValueError:
-        return "devices"
-    blocks = len(stacked.blocks)  # what _build_spmd accepts: a block per stage, a layer per model stage
-    fits = blocks >= stages and min(_spmd_balance(plan, spread(blocks, stages * virtual))) >= 1
-    return "spmd" if fits else "devices"
-
-
-class _Capture:
-    """A Pipe's model, captured once (a trace is the longest part of building a Pipe),
-    and what the executor choice and both builds read from it, each made once: the
-    model's layer graph as one stage (the run of repeated blocks the spmd executor
-    stacks, and the graph any split is made from) and the cut around that run."""
-
-    def __init__(self, module: nn.Module, sample_input: Any) -> None:
-        self.module, self.sample_input = module, sample_input
-        self._captured: Captured | None = None
-        self._whole: Partition | None = None
-        self._stacked: StackedModel | None = None
-
-    @property
-    def captured(self) -> Captured:
-        if self._captured is None:
-            self._captured = trace_layers(self.module, self.sample_input)
-        return self._captured
-
-    def whole(self) -> Partition:
-        """The model's layer graph as one stage."""
-        if self._whole is None:
-            self._whole = partition_captured(self.module, self.captured, 1, sample_input=self.sample_input)
-        return self._whole
-
-    def stacked(self) -> StackedModel:
-        """The model cut around its repeated blocks (ValueError if it has none to stack)."""
-        if self._stacked is None:
-            self._stacked = cut_for_stacking(self.module, self.whole(), self.sample_input, self.captured)
-        return self._stacked
-
-
-def _requested_stages(stages: int | None, balance: Sequence[int] | None, virtual: int = 1) -> int | None:
-    """The stage count (devices) that ``stages`` or ``balance`` asks for, if either
-    does; ``balance`` lists ``virtual`` model stages per device."""
-    if balance is not None and len(balance) % virtual:
-        raise ValueError(f"balance: has {len(balance)} entries, not a multiple of virtual={virtual} (one per "
-                         "model stage, virtual of them per device)")
-    if balance is not None and stages is not None and len(balance) != stages * virtual:
-        raise ValueError(f"balance: has {len(balance)} model stages but stages={stages} x virtual={virtual} "
-                         f"needs {stages * virtual}; make them agree")
-    return stages if stages is not None else (len(balance) // virtual if balance is not None else None)
-
-
-def _stage_count(stages: int | None, balance: Sequence[int] | None, devices: int, virtual: int = 1) -> int:
-    requested = _requested_stages(stages, balance, virtual)
-    stages = check_positive_int(devices if requested is None else requested, "stages")
-    if stages > devices:
-        raise ValueError(f"stages: {stages} stages need {stages} XLA devices, but there are {devices}; "
-                         f"use at most {devices} stages")
-    return stages
-
-
 def _check_target(target: Any, rows: int, chunks: int, microbatch_dim: int | None) -> None:
     """``pipe.step``'s target is split as the inputs are: it needs their batch size."""
     try:
@@ -439,39 +285,3 @@ def _check_target(target: Any, rows: int, chunks: int, microbatch_dim: int | Non
                          "input row (pipe.step splits both into the same microbatches)")
 
 
-def _spmd_stage_count(mesh: xs.Mesh | None, stages: int | None, balance: Sequence[int] | None,
-                      virtual: int) -> int:
-    """The stage count of an spmd Pipe, checked against the mesh or the device count
-    before the process is switched into SPMD mode."""
-    requested = _requested_stages(stages, balance, virtual)
-    if mesh is None:
-        return mesh_axes(xr.global_runtime_device_count() if requested is None else requested).stage
-    stages = axes_of(mesh).stage
-    if requested is not None and stages != requested:
-        raise ValueError(f"stages: {requested} does not match the mesh's 'stage' axis of {stages}")
-    return stages
-
-
-def _spmd_balance(plan: Partition, per_stage: tuple[int, ...]) -> list[int]:
-    """Layers per model stage when ``per_stage`` blocks of the body go to each, the
-    layers before the body to the first and those after it to the last."""
-    repeated = plan.repeated
-    blocks = [count * repeated.period for count in per_stage]
-    post = sum(plan.balance) - repeated.start - repeated.period * repeated.count
-    return [blocks[0] + repeated.start, *blocks[1:-1], blocks[-1] + post] if len(blocks) > 1 else [sum(plan.balance)]
-
-
-def _spmd_partition(plan: Partition, per_stage: tuple[int, ...], balance: Sequence[int] | None) -> Partition:
-    """The partition the spmd executor runs: the body spread evenly over the model
-    stages, pre on the first and post on the last (they run data-parallel over the
-    whole mesh)."""
-    repeated = plan.repeated
-    spmd_balance = _spmd_balance(plan, per_stage)
-    if min(spmd_balance) < 1:
-        raise ValueError(f"virtual: the model's body has {repeated.count} blocks, too few for "
-                         f"{len(per_stage)} model stages (stages x virtual) to hold a layer each; use a smaller "
-                         "virtual")
-    if balance is not None and list(balance) != spmd_balance:
-        raise ValueError(f"balance: the spmd executor spreads the {repeated.count} blocks evenly, which gives "
-                         f"balance={spmd_balance}; pass that or leave balance out")
-    return rebalanced(plan, spmd_balance)

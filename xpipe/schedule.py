@@ -326,14 +326,22 @@ def circular(stages: int, chunks: int, virtual: int = 2) -> Schedule:
             come round before the ring is free).
     """
     stages, chunks = _sizes(stages, chunks)
-    virtual = check_positive_int(virtual, "virtual")
-    if virtual > 1 and chunks < stages:
-        raise ValueError(f"chunks: a circular pipeline needs at least stages={stages} microbatches to keep the "
-                         f"ring busy; use chunks >= {stages}, or 'gpipe'")
+    virtual = check_ring_chunks(stages, chunks, virtual)
     orders = [[Action(v * stages + r, FORWARD, m) for v in range(virtual) for m in range(chunks)]
               + [Action(v * stages + r, BACKWARD, m) for v in reversed(range(virtual)) for m in reversed(range(chunks))]
               for r in range(stages)]
     return clocked("circular", stages, chunks, orders, virtual)
+
+
+def check_ring_chunks(stages: int, chunks: int, virtual: int) -> int:
+    """Return ``virtual`` if ``chunks`` microbatches can go round a ring of ``stages``
+    that many times (at least one per stage when they go round more than once), else
+    raise naming ``chunks``."""
+    virtual = check_positive_int(virtual, "virtual")
+    if virtual > 1 and chunks < stages:
+        raise ValueError(f"chunks: a circular pipeline needs at least stages={stages} microbatches to keep the "
+                         f"ring busy; use chunks >= {stages}, or 'gpipe'")
+    return virtual
 
 
 def _one_f_one_b_order(forwards: list[Action], backwards: list[Action], warmup: int) -> list[Action]:
@@ -355,6 +363,8 @@ def _single(name: str, virtual: int) -> None:
                          "'circular' for several")
 
 
+ONE_STAGE_PER_RANK = ("gpipe", "1f1b", "zb-h1")  # the schedules that take only virtual=1
+
 SCHEDULES: dict[str, Callable[..., Schedule]] = {
     "gpipe": gpipe,
     "1f1b": one_f_one_b,
@@ -366,6 +376,18 @@ SCHEDULES: dict[str, Callable[..., Schedule]] = {
 
 def by_name(name: str, stages: int, chunks: int, virtual: int = 1) -> Schedule:
     """Build the schedule called ``name``; raises ``ValueError`` naming the options."""
+    check_schedule(name, virtual)
+    return SCHEDULES[name](stages, chunks, virtual)
+
+
+def check_schedule(name: str, virtual: int = 1) -> str:
+    """Return ``name`` if it is a schedule that runs ``virtual`` model stages per rank,
+    else raise ``ValueError`` naming the options; builds nothing (a ``Pipe`` checks
+    its arguments before it knows the stage count)."""
     if name not in SCHEDULES:
         raise ValueError(f"schedule: {name!r} is not a schedule; use one of {', '.join(SCHEDULES)}")
-    return SCHEDULES[name](stages, chunks, virtual)
+    if name in ONE_STAGE_PER_RANK:
+        _single(name, virtual)
+    else:
+        check_positive_int(virtual, "virtual")
+    return name

@@ -16,8 +16,9 @@ import torch.nn.functional as F
 import torch_xla
 
 import xpipe
-import xpipe.save_group
+import xpipe.checkpoints.group
 from xpipe import checkpoints
+from xpipe.checkpoints import saving
 from equivalence import assert_loads_exactly, step_losses
 from fresh_process import call_in_fresh_process
 from xpipe.models import mlp_stack, resnet_like, small_cnn
@@ -82,7 +83,7 @@ def test_a_background_save_holds_the_state_it_was_asked_for(tmp_path, monkeypatc
     def fails_midway(*args, **kwargs):
         raise OSError("disk full")
 
-    monkeypatch.setattr(checkpoints.dcp, "save", fails_midway)
+    monkeypatch.setattr(saving.dcp, "save", fails_midway)
     pending = xpipe.save(tmp_path / "ckpt", pipe, optimizer, step=3, background=True)
     with pytest.raises(OSError, match="disk full"):
         pending.result()
@@ -148,7 +149,7 @@ def test_damaged_or_foreign_checkpoints_are_refused_and_change_nothing(tmp_path,
     def fails_midway(*args, **kwargs):
         raise OSError("disk full")
 
-    monkeypatch.setattr(checkpoints.dcp, "save", fails_midway)
+    monkeypatch.setattr(saving.dcp, "save", fails_midway)
     with pytest.raises(OSError, match="disk full"):
         xpipe.save(tmp_path / "ckpt", pipe, optimizer, step=2)
     monkeypatch.undo()
@@ -196,10 +197,10 @@ def test_every_file_and_the_rename_are_made_durable_before_the_old_checkpoint_go
     pipe, optimizer = make(small_cnn())
     xpipe.save(tmp_path / "ckpt", pipe, optimizer, step=1)
     synced, removed = [], []
-    original_fsync, original_rmtree = checkpoints.os.fsync, checkpoints.shutil.rmtree
-    monkeypatch.setattr(checkpoints.os, "fsync", lambda fd: (synced.append(Path(os.readlink(f"/proc/self/fd/{fd}"))),
+    original_fsync, original_rmtree = saving.os.fsync, saving.shutil.rmtree
+    monkeypatch.setattr(saving.os, "fsync", lambda fd: (synced.append(Path(os.readlink(f"/proc/self/fd/{fd}"))),
                                                              original_fsync(fd)))
-    monkeypatch.setattr(checkpoints.shutil, "rmtree", lambda path, **kw: (removed.append(len(synced)),
+    monkeypatch.setattr(saving.shutil, "rmtree", lambda path, **kw: (removed.append(len(synced)),
                                                                           original_rmtree(path, **kw)))
     xpipe.save(tmp_path / "ckpt", pipe, optimizer, step=2)
     names = {path.name for path in synced}
@@ -213,7 +214,7 @@ def test_a_save_on_several_hosts_without_a_process_group_is_refused_before_it_wr
     """Without a group over the hosts each would put its own shards in place of the
     others': refused, naming what to call, and nothing written."""
     pipe, optimizer = make(small_cnn())
-    monkeypatch.setattr(xpipe.save_group.xr, "process_count", lambda: 2)
+    monkeypatch.setattr(xpipe.checkpoints.group.xr, "process_count", lambda: 2)
     with pytest.raises(RuntimeError, match=r"this run has 2 processes \(hosts\) and no torch.distributed process "
                                            r"group.*init_process_group\('gloo', init_method='xla://'\)"):
         xpipe.save(tmp_path / "ckpt", pipe, optimizer)

@@ -12,7 +12,7 @@ import torch
 import torch_xla
 
 import xpipe
-import xpipe._xla
+import xpipe.checkpoints.shards
 from xpipe.models import mlp_stack
 from checkpoint_checks import (assert_chunks_tile_every_tensor, assert_each_device_loaded_its_shard, held_shards,
                                loaded_from_shards, no_sharded_tensor_put_together)
@@ -87,7 +87,7 @@ def train_six_steps_and_save(folder: str) -> None:
     start = torch.load(Path(folder) / "start.pt", weights_only=False)
     pipe, optimizer = make(start["model"], 4, 2)
     torch.save(step_losses(pipe, optimizer, start["data"][:6]), Path(folder) / "losses.pt")
-    xpipe._xla.WHOLE_FETCH_BYTES = 0  # every stacked tensor slot by slot, as a large model's
+    xpipe.checkpoints.shards.WHOLE_FETCH_BYTES = 0  # every stacked tensor slot by slot, as a large model's
     with no_sharded_tensor_put_together(), held_shards() as held:
         xpipe.save(Path(folder) / "ckpt", pipe, optimizer, step=6)
     total = 3 * sum(value.numel() * value.element_size() for value in pipe.state_dict().values())
@@ -100,7 +100,7 @@ def test_shards_with_padding_save_and_load_into_other_layouts(tmp_path, monkeypa
     split unevenly, its last shard padded. Saved after two AdamW steps (slot by slot,
     as a large model's), loaded into 4 stages x 2 fsdp and the plain model: weights
     and AdamW state bit-equal."""
-    monkeypatch.setattr(xpipe._xla, "WHOLE_FETCH_BYTES", 0)
+    monkeypatch.setattr(xpipe.checkpoints.shards, "WHOLE_FETCH_BYTES", 0)
     model = mlp_stack(blocks=4, width=7, inputs=8, outputs=4)
     plain = copy.deepcopy(model)
     pipe = xpipe.Pipe(model, chunks=4, mesh=xpipe.make_mesh(2, fsdp=4), loss_fn=loss_of)
@@ -118,7 +118,7 @@ def test_shards_with_padding_save_and_load_into_other_layouts(tmp_path, monkeypa
     assert any(math.prod(shape) % len(places) for shape, tiled, places in loads if tiled), "no uneven shard loaded"
     moments = {name: plain_optimizer.state[p]["exp_avg"] for name, p in plain.named_parameters()}
     for name, parameter in other.runner.named_parameters():  # stacked: compare through the state's names
-        for named, value in other.runner.named_slices(parameter, other_optimizer.state[parameter]["exp_avg"].cpu()):
+        for named, value in other.checkpoint_state().named_slices(parameter, other_optimizer.state[parameter]["exp_avg"].cpu()):
             assert torch.equal(value, moments[named]), named
 
     # Refused late (a checkpoint that does not record its optimizer's kind, loaded into SGD

@@ -223,14 +223,19 @@ def test_bfloat16_trains_compiles_once_and_stays_near_float32(mesh):
     assert losses[-1] < losses[0]
 
 
-def test_an_spmd_pipe_captures_its_model_once(mesh, captures):
-    """The split, the stacked cut and the executor read one capture of the model."""
-    xpipe.Pipe(tiny_lm(), chunks=4, mesh=mesh)
+def test_an_spmd_pipe_captures_its_model_once_and_runs_the_schedule_it_was_given(mesh, captures, schedule_builds):
+    """The split, the stacked cut and the executor read one capture of the model; the
+    schedule the user named is built once (for the padded microbatches) and handed to
+    the executor, which runs that object."""
+    pipe = xpipe.Pipe(tiny_lm(), chunks=4, mesh=mesh, schedule="circular", virtual=1)
     assert captures == ["fx"]
+    assert schedule_builds == ["circular"]
+    assert pipe.runner.schedule is pipe.schedule and pipe.schedule.name == "circular"
 
 
-def test_a_hugging_face_spmd_pipe_is_exported_once(mesh, captures):
+def test_a_hugging_face_spmd_pipe_is_exported_once(mesh, captures, schedule_builds):
     from hf_models import llama, tokens
 
     xpipe.Pipe(llama(layers=4), chunks=4, mesh=mesh, sample_input={"input_ids": tokens(4)})
     assert captures == ["fx", "export"]  # fx cannot open the model: export captures it, once
+    assert schedule_builds == ["gpipe"]

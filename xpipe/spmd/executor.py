@@ -17,7 +17,6 @@ devices once, after the loop, by the backward of that gathering.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from functools import partial
 
@@ -30,20 +29,26 @@ from torch_xla.experimental.scan import scan
 
 from xpipe._batch import check_outputs
 from xpipe._batchnorm import RunningStatistics
-from xpipe._xla import HostShards, host_shards, shard_buffers, to_host
-from xpipe.chunks import Chunks, Piece, ShardSource, flat_boxes, from_shards
+from xpipe.layout import spread
 from xpipe.recompute import kept_cells, recompute
-from xpipe.layout import spread, stored_shape
-from xpipe.schedule import Schedule, circular, gpipe
+from xpipe.schedule import Schedule
 from xpipe.spmd.conveyor import Layout, column_tables, from_slots, make_layout, make_tick, to_slots
 from xpipe.spmd.dropout import cell_keys, hashed_dropout
 from xpipe.spmd.lowering import ShardableOps
 from xpipe.spmd.placement import Placement
 from xpipe.spmd.sides import Packing, packing_for
+from xpipe.spmd.stacked_weights import StackedWeights
 from xpipe.spmd.stacking import StackedModel
-from xpipe.tensor_rules import Rules, tensor_dims
+from xpipe.spmd.state_map import StateMap
 
 SCHEDULES = ("gpipe", "circular")  # the schedules whose clock loop this executor runs
+
+
+def padded_chunks(chunks: int, stages: int) -> int:
+    """The microbatches every step runs for ``chunks`` of them: rounded up to fill
+    every stage's slots (see :func:`xpipe.spmd.conveyor.make_layout`); the padding
+    microbatches run too."""
+    return make_layout(chunks, chunks, stages, 1).padded_chunks
 
 
 class SpmdPipeline(nn.Module):
@@ -52,18 +57,22 @@ class SpmdPipeline(nn.Module):
     Args:
         stacked: the model cut around its repeated body.
         mesh: a mesh with a "stage" axis, and "data" and "fsdp" (``xpipe.make_mesh``).
-        chunks: microbatches per step.
+        schedule: what every step runs: GPipe's, or circular's with ``schedule.virtual``
+            model stages per stage group (model stage ``j`` on stage ``j % S``), over
+            :func:`padded_chunks` microbatches.
+        chunks: microbatches per step, as the user asked (at most ``schedule.chunks``).
         checkpoint: ``"always"``, ``"except_last"`` or ``"never"``.
         device: the SPMD XLA device.
         keys: the wrapped module's ``state_dict`` keys, in order, each with the keys
             that name the same tensor (tied weights).
-        rounds: model stages per stage group: 1 for GPipe, ``V`` for the circular
-            schedule (model stage ``j`` on stage ``j % S``).
+        dims: per block parameter, the dim "tensor" splits, or None (:func:`xpipe.tensor_rules.tensor_dims`).
+
+    Attributes:
+        state: where each ``state_dict`` key lives (:class:`xpipe.spmd.state_map.StateMap`).
     """
 
-    def __init__(self, stacked: StackedModel, mesh: xs.Mesh, chunks: int, checkpoint: str,
-                 device: torch.device, keys: dict[str, tuple[str, ...]], rounds: int = 1,
-                 tensor_rules: Rules | None = None) -> None:
+    def __init__(self, stacked: StackedModel, mesh: xs.Mesh, schedule: Schedule, chunks: int, checkpoint: str,
+                 device: torch.device, keys: dict[str, tuple[str, ...]], dims: list[int | None]) -> None:
         super().__init__()
         self.mesh = mesh
         self.placement = Placement(mesh)
@@ -78,21 +87,19 @@ class SpmdPipeline(nn.Module):
         self.side_rows = stacked.side_rows  # per side input: travels with its microbatch, or held whole
         self.exported = stacked.exported
         self.block_count = len(stacked.blocks)
-        self.rounds = rounds  # V: model stages per stage group, run round the ring (circular)
-        self.per_stage = spread(self.block_count, self.stages * rounds)  # per model stage
+        if schedule.name not in SCHEDULES or schedule.stages != self.stages:
+            raise ValueError(f"schedule: the spmd executor runs {' or '.join(SCHEDULES)} over the mesh's "
+                             f"{self.stages} stages, not {schedule.name!r} over {schedule.stages}")
+        self.schedule = schedule
+        self.virtual = schedule.virtual  # V: model stages per stage group, run round the ring (circular)
+        self.per_stage = spread(self.block_count, self.stages * self.virtual)  # per model stage
         self.depth = max(self.per_stage)  # K: block slots per model stage
         self._template = [stacked.blocks[0]]  # kept out of the module tree: its weights are not ours
         self._block_parameters = [list(block.named_parameters()) for block in stacked.blocks]
         self._frozen = [[not p.requires_grad for _, p in named] for named in self._block_parameters]
-        named = list(stacked.blocks[0].named_parameters())
-        dims = tensor_dims([n for n, _ in named], [p.shape for _, p in named], self.placement.axes.tensor, tensor_rules)
-        self.body = StackedWeights.from_blocks(stacked.blocks, self._slots(), rounds * self.depth, device,
+        self.body = StackedWeights.from_blocks(stacked.blocks, self._slots(), self.virtual * self.depth, device,
                                                self.placement, dims)
-        # What every step runs: chunks rounded up to fill every stage's slots (see make_layout).
-        padded = make_layout(chunks, chunks, self.stages, 1).padded_chunks
-        self.schedule = gpipe(self.stages, padded) if rounds == 1 else circular(self.stages, padded, rounds)
-        self._sources, self._traced_name = _state_sources(stacked, keys)
-        self._holders: dict[int, list[tuple[str, tuple | None]]] | None = None  # see _places_in
+        self.state = StateMap(self.body, stacked, keys)
         self._ticks: dict[tuple, Callable] = {}
 
     def train(self, mode: bool = True) -> SpmdPipeline:
@@ -112,155 +119,6 @@ class SpmdPipeline(nn.Module):
     def input_names(self) -> tuple[str, ...]:
         """The model's positional inputs."""
         return tuple(node.name for node in self.pre.graph.nodes if node.op == "placeholder")
-
-    def state_tensor(self, key: str) -> torch.Tensor:
-        """The tensor behind ``state_dict`` key ``key`` (a view into the stacked body for a block's weight)."""
-        source = self._sources[key]
-        if isinstance(source, tuple):
-            return self.body.block_tensor(*source)
-        owner, _, name = self._traced_name.get(key, key).rpartition(".")
-        return getattr(source.get_submodule(owner), name)
-
-    def host_state(self, keys: list[str]) -> dict[str, torch.Tensor]:
-        """``state_dict`` keys ``keys`` as CPU copies; each stacked tensor is fetched
-        once, from its shards, and cut on the host (see :func:`xpipe._xla.to_host`)."""
-        places = {}
-        for key in keys:
-            source = self._sources[key]
-            places[key] = self.body.block_place(*source) if isinstance(source, tuple) else None
-        holders = {id(place[0]): place[0] for place in places.values() if place is not None}
-        singles = [key for key, place in places.items() if place is None]
-        fetched = iter(to_host(list(holders.values()) + [self.state_tensor(key) for key in singles]))
-        stacked = {holder: next(fetched) for holder in holders}  # by id of the stacked tensor
-        single = {key: next(fetched) for key in singles}
-        return {key: single[key] if place is None else self.body.unstored(place[2], stacked[id(place[0])][place[1]])
-                .clone() for key, place in places.items()}
-
-    def named_slices(self, parameter: torch.Tensor, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
-        """The wrapped module's trainable parameters that ``parameter`` (one of
-        ``self.parameters()``) holds, by name, each with its part of ``tensor``: a
-        tensor shaped like ``parameter`` (its gradient, an optimizer's state for it).
-        A stacked weight holds one parameter per unfrozen block; a tied one is named
-        by its first name, as ``named_parameters()`` does."""
-        return [(name, tensor if place is None else self.body.unstored(place[0], tensor[place[1]]))
-                for name, place in self._places_in(parameter)]
-
-    def named_chunks(self, parameter: torch.Tensor, tensor: torch.Tensor,
-                     shards: HostShards) -> list[tuple[str, Chunks]]:
-        """:meth:`named_slices` of ``tensor`` (shaped like ``parameter``) from the shards
-        of it this host holds (:func:`xpipe._xla.host_shards`): each name's part as the
-        pieces those shards cover, nothing put together; a stacked tensor's names
-        slot by slot (see :meth:`state_chunks`)."""
-        slots: dict[int, HostShards] = {}
-        named = []
-        for name, place in sorted(self._places_in(parameter), key=lambda pair: _slot_order(pair[1])):
-            if place is None:
-                named.append((name, from_shards(tensor.shape, tensor.dtype, shards)))
-                continue
-            index, (stage, slot) = place
-            if slot not in slots:
-                slots[slot] = shards.narrowed(1, slot)
-            named.append((name, self.body.block_chunks(index, (stage, slot), slots[slot])))
-        return named
-
-    def state_chunks(self, keys: list[str]) -> dict[str, Chunks]:
-        """``state_dict`` keys ``keys`` as the pieces this host holds of them, never put
-        together. A stacked tensor reaches the host one slot at a time (that slot of
-        every stage), cut into its blocks' boxes; the keys come grouped by the tensor
-        and slot that hold them, so that DCP, which writes in this order, holds one
-        slot of one tensor at a time."""
-        places = {key: self.body.block_place(*self._sources[key]) if isinstance(self._sources[key], tuple) else None
-                  for key in keys}
-        holders = {id(place[0]): place[0] for place in places.values() if place is not None}
-        singles = {key: self.state_tensor(key) for key, place in places.items() if place is None}
-        held = iter(host_shards([*holders.values(), *singles.values()]))
-        stacked = {holder: next(held) for holder in holders}
-        single = {key: from_shards(value.shape, value.dtype, next(held)) for key, value in singles.items()}
-        by_slot = {(holder, slot): shards.narrowed(1, slot) for holder, shards in stacked.items()
-                   for slot in {place[1][1] for place in places.values() if place is not None}}
-        rank = {holder: position for position, holder in enumerate(holders)}
-
-        def order(key: str) -> tuple[int, ...]:
-            place = places[key]
-            return (-1,) if place is None else (rank[id(place[0])], *_slot_order((place[2], place[1])))
-
-        chunks = {}
-        for key in sorted(keys, key=order):
-            if places[key] is None:
-                chunks[key] = single[key]
-                continue
-            holder, (stage, slot), index = places[key]
-            chunks[key] = self.body.block_chunks(index, (stage, slot), by_slot[id(holder), slot])
-        return chunks
-
-    def load_chunks(self, keys: list[str]) -> tuple[dict[str, Chunks], Callable[[], None]]:
-        """Where a load writes ``state_dict`` keys ``keys``: each key as the pieces of
-        host buffers for the shards of the tensor that holds it on this host's devices
-        (a tied tensor under its first key), and what hands the buffers to the devices,
-        in place, once they are filled. No tensor is put together whole on the host."""
-        holders: dict[int, torch.Tensor] = {}
-        wanted = {}
-        for key in keys:
-            source = self._sources[key]
-            if isinstance(source, tuple):
-                holder, at, index = self.body.block_place(*source)
-            else:
-                holder, at, index = self.state_tensor(key), None, None
-                if id(holder) in holders:
-                    continue  # tied to an earlier key: the same tensor, the same values
-            holders[id(holder)] = holder
-            wanted[key] = (holder, at, index)
-        buffers = dict(zip(holders, shard_buffers(list(holders.values()))))
-        chunks = {key: from_shards(holder.shape, holder.dtype, buffers[id(holder)]) if at is None
-                  else self.body.block_chunks(index, at, buffers[id(holder)])
-                  for key, (holder, at, index) in wanted.items()}
-
-        def hand_over() -> None:
-            for identity, holder in holders.items():
-                buffers[identity].load_into(holder)
-
-        return chunks, hand_over
-
-    def state_load_chunks(self, parameter: torch.Tensor, dtype: torch.dtype
-                          ) -> tuple[list[tuple[str, Chunks]], Callable[[], torch.Tensor]]:
-        """Where a load writes an optimizer state of ``parameter`` (shaped like it, of
-        ``dtype``), by the names ``parameter`` holds (:meth:`named_slices`): each name's
-        part as the pieces of buffers for ``parameter``'s shards on this host; and what
-        makes the filled buffers a tensor on the devices, sharded as ``parameter``."""
-        buffers = shard_buffers([parameter], [dtype])[0]
-        named = []
-        for name, place in self._places_in(parameter):
-            if place is None:
-                named.append((name, from_shards(parameter.shape, dtype, buffers)))
-            else:
-                index, at = place
-                named.append((name, self.body.block_chunks(index, at, buffers)))
-        return named, buffers.to_device
-
-    def _places_in(self, parameter: torch.Tensor) -> list[tuple[str, tuple[int, tuple[int, int]] | None]]:
-        """The names ``parameter`` holds, each with where: (block parameter index,
-        (stage, slot)) in a stacked weight, or None for the whole of it."""
-        if self._holders is None:
-            self._holders = {}
-            for key, source in self._sources.items():
-                if isinstance(source, tuple):
-                    index, block = source
-                    stage, slot = self.body.slots[block]
-                    if (stage, slot) not in self.body.frozen_slots[self.body.names[index]]:
-                        self._holders.setdefault(id(self.body.weights[index]), []).append((key, (index, (stage, slot))))
-                elif isinstance(holder := self.state_tensor(key), nn.Parameter) and id(holder) not in self._holders:
-                    self._holders[id(holder)] = [(key, None)]  # a tied weight by its first name
-        return self._holders.get(id(parameter), [])
-
-    def named_gradients(self) -> dict[str, torch.Tensor | None]:
-        """Gradients under the wrapped module's parameter names; ``None`` for frozen weights."""
-        grads: dict[str, torch.Tensor | None] = {}
-        for key, source in self._sources.items():
-            if isinstance(source, tuple):
-                grads[key] = self.body.block_grad(*source)
-            elif isinstance(tensor := self.state_tensor(key), nn.Parameter):
-                grads[key] = tensor.grad
-        return grads
 
     def forward(self, *inputs: torch.Tensor, microbatch_dim: int | None = None):
         """Run one step's forward; see :class:`xpipe.Pipe` for the contract."""
@@ -309,7 +167,7 @@ class SpmdPipeline(nn.Module):
         tables = column_tables(self.schedule, layout)
         reads, writes, from_ring = (torch.tensor(t, device=slots.device, dtype=slots.dtype)
                                     for t in (tables.reads, tables.writes, tables.from_ring))
-        rounds = torch.nn.functional.one_hot(torch.tensor(tables.rounds), self.rounds)  # [T, S, V]
+        rounds = torch.nn.functional.one_hot(torch.tensor(tables.rounds), self.virtual)  # [T, S, V]
         rounds = rounds.repeat_interleave(self.replicas, 1).to(slots.device, slots.dtype)  # [T, S * P, V]
         clocks = torch.arange(len(reads), dtype=torch.int32, device=slots.device)
         keys = cell_keys(self._step_seed(slots.device), clocks, self.stages, self.replicas)
@@ -380,167 +238,17 @@ class SpmdPipeline(nn.Module):
     def _of_round(self, slots: torch.Tensor, round_: torch.Tensor) -> torch.Tensor:
         """``[V * K, ...] -> [K, ...]``: the slots of the round ``round_`` (one-hot ``[V]``)
         names; by a product, not an index, so that every device's pick stays local."""
-        if self.rounds == 1:
+        if self.virtual == 1:
             return slots
-        per_round = slots.unflatten(0, (self.rounds, self.depth))
+        per_round = slots.unflatten(0, (self.virtual, self.depth))
         return (per_round * round_.view(-1, *[1] * (per_round.dim() - 1))).sum(0)
 
     def _valid_mask(self, like: torch.Tensor) -> torch.Tensor:
         """``[S * P, V * K]``: 1 where a stage's slot holds a block, 0 for padding slots."""
-        mask = torch.zeros(self.stages, self.rounds * self.depth)
+        mask = torch.zeros(self.stages, self.virtual * self.depth)
         for stage, slot in self._slots():
             mask[stage, slot] = 1
         return self.placement.gathered_body(mask.to(like.device, like.dtype))
-
-
-class StackedWeights(nn.Module):
-    """The body's parameters, one ``[S, K, numel]`` tensor per block parameter.
-
-    Flattened because torch_xla shards tensors of at most 5 dims; ``shapes`` keeps
-    each block parameter's own shape, ``dims`` the dim "tensor" splits (None: none),
-    which is stored first (:func:`xpipe.layout.stored_shape`). A block parameter that some blocks freeze
-    (``requires_grad=False``) and others train is held twice: the trainable
-    blocks' values in the Parameter (zero where a block is frozen, so weight decay
-    has nothing to shrink there) and the frozen blocks' values in a buffer; the
-    loop reads each slot from the right one, so frozen blocks never change.
-    """
-
-    def __init__(self, names: list[str], shapes: list[torch.Size], slots: list[tuple[int, int]],
-                 dims: list[int | None]) -> None:
-        super().__init__()
-        self.names = names
-        self.shapes = shapes
-        self.dims = dims
-        self.slots = slots  # (stage, slot) of each block
-        self.trainable: dict[str, torch.Tensor] = {}  # name -> [S, K, 1] bool on the device, mixed ones only
-        self.frozen_slots: dict[str, set[tuple[int, int]]] = {}  # name -> (stage, slot)s it freezes
-
-    @classmethod
-    def from_blocks(cls, blocks: list[torch.fx.GraphModule], slots: list[tuple[int, int]], depth: int,
-                    device: torch.device, placement: Placement, dims: list[int | None]) -> StackedWeights:
-        """Stack ``blocks`` into ``[S, depth, numel]`` tensors, block ``i`` at ``slots[i]``;
-        ``dims``: per block parameter, the dim "tensor" splits, or None."""
-        named = [list(block.named_parameters()) for block in blocks]
-        names = [name for name, _ in named[0]]
-        module = cls(names, [p.shape for _, p in named[0]], slots, dims)
-        stages = max(s for s, _ in slots) + 1
-        for index, name in enumerate(names):
-            values = [parameters[index][1] for parameters in named]
-            grid = torch.zeros(stages, depth, values[0].numel(), dtype=values[0].dtype)
-            trains = torch.zeros(stages, depth, 1, dtype=torch.bool)
-            for (stage, slot), value in zip(slots, values):
-                grid[stage, slot] = module.stored(index, value.detach())
-                trains[stage, slot] = value.requires_grad
-            module._register(name, grid, trains, [v.requires_grad for v in values], device, placement)
-            module.frozen_slots[name] = {place for place, v in zip(slots, values) if not v.requires_grad}
-        return module
-
-    def _register(self, name: str, grid: torch.Tensor, trains: torch.Tensor, flags: list[bool],
-                  device: torch.device, placement: Placement) -> None:
-        attribute = _attribute(name)
-        mixed = any(flags) and not all(flags)
-        parameter = nn.Parameter((grid * trains if mixed else grid).to(device), requires_grad=any(flags))
-        self.register_parameter(attribute, placement.place(parameter, placement.stacked_spec()))
-        if mixed:
-            frozen = (grid * ~trains).to(device)
-            self.register_buffer(attribute + "__frozen", placement.place(frozen, placement.stacked_spec()))
-            self.trainable[name] = trains.to(device)
-
-    @property
-    def weights(self) -> list[nn.Parameter]:
-        return [getattr(self, _attribute(name)) for name in self.names]
-
-    def effective_weights(self) -> list[torch.Tensor]:
-        """The weights the blocks run with: each slot from its Parameter or, if frozen, its buffer."""
-        return [torch.where(self.trainable[name], weight, getattr(self, _attribute(name) + "__frozen"))
-                if name in self.trainable else weight for name, weight in zip(self.names, self.weights)]
-
-    def stored(self, index: int, value: torch.Tensor) -> torch.Tensor:
-        """A value of block parameter ``index`` as it is stored: flat, its split dim first."""
-        dim = self.dims[index]
-        return (value if dim is None else value.movedim(dim, 0)).flatten()
-
-    def unstored(self, index: int, flat: torch.Tensor) -> torch.Tensor:
-        """``[numel] -> shape`` of block parameter ``index``: a view, so that writing into it writes the store."""
-        dim, shape = self.dims[index], self.shapes[index]
-        if dim is None:
-            return flat.view(shape)
-        return flat.view(stored_shape(tuple(shape), dim)).movedim(0, dim)
-
-    def block_tensor(self, index: int, block: int) -> torch.Tensor:
-        """Block ``block``'s value of parameter ``index``, a view of the tensor that holds it."""
-        holder, place, index = self.block_place(index, block)
-        return self.unstored(index, holder[place])
-
-    def block_place(self, index: int, block: int) -> tuple[torch.Tensor, tuple[int, int], int]:
-        """Where block ``block``'s value of parameter ``index`` lives: the tensor that
-        holds it (the Parameter, or the frozen buffer), its (stage, slot), and ``index``."""
-        name = self.names[index]
-        stage, slot = self.slots[block]
-        holder = self.weights[index]
-        if name in self.trainable and (stage, slot) in self.frozen_slots[name]:
-            holder = getattr(self, _attribute(name) + "__frozen")
-        return holder, (stage, slot), index
-
-    def block_chunks(self, index: int, at: tuple[int, int], shards: ShardSource) -> Chunks:
-        """Block parameter ``index`` of slot ``at`` (stage, slot), in its own shape, as the
-        pieces that ``shards`` of its stacked tensor (or of a tensor shaped like it) cover:
-        each shard's flat range of the slot, as boxes of the stored shape, moved back to
-        the parameter's dims."""
-        shape, dim = tuple(self.shapes[index]), self.dims[index]
-        stored = stored_shape(shape, dim) or (1,)  # a 0-dim parameter is stored as one element
-        axes = tuple(range(len(shape))) if dim is None else (dim, *(d for d in range(len(shape)) if d != dim))
-        pieces = []
-        for shard, (stages, slots, flat) in enumerate(shards.places):
-            if not (stages.start <= at[0] < stages.stop and slots.start <= at[1] < slots.stop):
-                continue
-            row = (at[0] - stages.start, at[1] - slots.start)
-            for offsets, sizes, first in flat_boxes(stored, flat.start, flat.stop):
-                placed = [0] * len(shape)
-                for axis, offset in zip(axes, offsets):
-                    placed[axis] = offset
-                moved = [sizes[axes.index(axis)] for axis in range(len(shape))]
-                cut = partial(_block_piece, row=row, start=first - flat.start, sizes=sizes, shape=shape,
-                                        dim=dim)
-                pieces.append(Piece(tuple(placed), tuple(moved), shards, shard, cut))
-        return Chunks(torch.Size(shape), shards.dtype, pieces)
-
-    def block_grad(self, index: int, block: int) -> torch.Tensor | None:
-        """The gradient of block ``block``'s parameter ``index``; ``None`` if frozen or not computed."""
-        stage, slot = self.slots[block]
-        weight = self.weights[index]
-        if (stage, slot) in self.frozen_slots[self.names[index]] or weight.grad is None:
-            return None
-        return self.unstored(index, weight.grad[stage, slot])
-
-
-def _attribute(name: str) -> str:
-    return name.replace(".", "__")
-
-
-def _state_sources(stacked: StackedModel, keys: dict[str, tuple[str, ...]]
-                   ) -> tuple[dict[str, nn.Module | tuple[int, int]], dict[str, str]]:
-    """Where each state_dict key lives: in ``pre`` or ``post``, or (parameter index,
-    block); and, for a key tied to another that the trace reads instead, that name."""
-    found: dict[str, nn.Module | tuple[int, int]] = {}
-    for block, module in enumerate(stacked.blocks):
-        for index, (name, _) in enumerate(module.named_parameters()):
-            found[name] = (index, block)
-    for module in (stacked.pre, stacked.post):
-        for name in module.state_dict(keep_vars=True):
-            found.setdefault(name, module)
-    sources: dict[str, nn.Module | tuple[int, int]] = {}
-    traced_name: dict[str, str] = {}
-    for key, tied in keys.items():
-        name = next((name for name in (key, *tied) if name in found), None)
-        if name is not None:
-            sources[key] = found[name]
-            if name != key:
-                traced_name[key] = name
-    unused = [key for key in keys if key not in sources]
-    if unused:
-        raise ValueError(f"module: {unused} are never used by forward; remove them before pipelining")
-    return sources, traced_name
 
 
 def _as_tuple(value) -> tuple:
@@ -557,17 +265,3 @@ def _first_kept_clock(schedule: Schedule, checkpoint: str) -> int:
                  if any(a is not None and (a.stage, a.microbatch) in kept for a in row)), len(rows))
 
 
-def _slot_order(place: tuple[int, tuple[int, int]] | None) -> tuple[int, int]:
-    """Where a block's name goes in a save: slot by slot, then stage by stage (each
-    slot of a stacked tensor reaches the host on its own)."""
-    return (-1, -1) if place is None else (place[1][1], place[1][0])
-
-
-def _block_piece(values: torch.Tensor, *, row: tuple[int, int], start: int, sizes: tuple[int, ...],
-                 shape: tuple[int, ...], dim: int | None) -> torch.Tensor:
-    """The box of ``sizes`` that starts ``start`` elements into slot ``row`` of a stacked
-    shard's ``values``, in the parameter's own dims (``shape``; stored with ``dim`` first)."""
-    piece = values[row][start:start + math.prod(sizes)].view(sizes)
-    if not shape:
-        return piece.view(())
-    return piece.movedim(0, dim) if dim not in (None, 0) else piece

@@ -33,7 +33,7 @@ from torch.futures import Future
 
 class ShardSource(Protocol):
     """The shards of one tensor on this host, at ``places`` (slices of the whole):
-    :class:`xpipe._xla.HostShards` to save from, :class:`xpipe._xla.ShardBuffers` to
+    :class:`xpipe.checkpoints.shards.HostShards` to save from, :class:`xpipe.checkpoints.shards.ShardBuffers` to
     load into."""
 
     places: list[tuple[slice, ...]]
@@ -64,10 +64,10 @@ class Piece:
         return self.cut(self.source.read(self.shard))
 
 
-class Chunks:
+class Pieces:
     """A tensor of ``shape`` and ``dtype`` as the pieces of it this host holds: to save,
-    read from its shards only when DCP writes them (:class:`xpipe._xla.HostShards`);
-    to load, written into its shards' buffers (:class:`xpipe._xla.ShardBuffers`)."""
+    read from its shards only when DCP writes them (:class:`xpipe.checkpoints.shards.HostShards`);
+    to load, written into its shards' buffers (:class:`xpipe.checkpoints.shards.ShardBuffers`)."""
 
     def __init__(self, shape: torch.Size, dtype: torch.dtype, pieces: list[Piece]) -> None:
         self.shape, self.dtype = torch.Size(shape), dtype
@@ -99,49 +99,49 @@ class Chunks:
 
     def fetch(self) -> None:
         """Bring every piece's values to the host now (a save's pieces, read from
-        :class:`xpipe._xla.HostShards`)."""
+        :class:`xpipe.checkpoints.shards.HostShards`)."""
         for source in self.sources():
             source.fetch()
 
 
-class ChunkSavePlanner(DefaultSavePlanner):
-    """DCP's default planner, reading each chunk's data from its :class:`Chunks`."""
+class PieceSavePlanner(DefaultSavePlanner):
+    """DCP's default planner, reading each chunk's data from its :class:`Pieces`."""
 
     def lookup_object(self, index: MetadataIndex) -> object:
         value = self.state_dict[index.fqn]
-        if isinstance(value, Chunks):
+        if isinstance(value, Pieces):
             return value.piece_at(index.offset)
         return super().lookup_object(index)
 
 
-class ChunkLoadPlanner(DefaultLoadPlanner):
-    """DCP's default planner, writing each chunk's data into its :class:`Chunks`' piece."""
+class PieceLoadPlanner(DefaultLoadPlanner):
+    """DCP's default planner, writing each chunk's data into its :class:`Pieces`' piece."""
 
     def set_up_planner(self, state_dict: dict[str, Any], metadata: Any = None, is_coordinator: bool = False) -> None:
         # DCP's set-up puts None in place of every value it does not know (torch 2.9's
-        # _init_state_dict), so the Chunks are put back where the flattened keys point.
-        chunks = dict(_chunks_in(state_dict))
+        # _init_state_dict), so the Pieces are put back where the flattened keys point.
+        pieces = dict(_pieces_in(state_dict))
         super().set_up_planner(state_dict, metadata, is_coordinator)
-        for path, value in chunks.items():
+        for path, value in pieces.items():
             _put(state_dict, path, value)
         for fqn, path in self.mappings.items():
-            if tuple(path) in chunks:
-                self.state_dict[fqn] = chunks[tuple(path)]
+            if tuple(path) in pieces:
+                self.state_dict[fqn] = pieces[tuple(path)]
 
     def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
         value = self.state_dict[index.fqn]
-        if isinstance(value, Chunks):
+        if isinstance(value, Pieces):
             return value.piece_at(index.offset)
         return super().lookup_tensor(index)
 
 
-def _chunks_in(state: dict[str, Any], path: tuple[str, ...] = ()) -> Iterator[tuple[tuple[str, ...], Chunks]]:
-    """Every :class:`Chunks` in the nested dict ``state``, with its path of keys."""
+def _pieces_in(state: dict[str, Any], path: tuple[str, ...] = ()) -> Iterator[tuple[tuple[str, ...], Pieces]]:
+    """Every :class:`Pieces` in the nested dict ``state``, with its path of keys."""
     for key, value in state.items():
-        if isinstance(value, Chunks):
+        if isinstance(value, Pieces):
             yield (*path, key), value
         elif isinstance(value, dict):
-            yield from _chunks_in(value, (*path, key))
+            yield from _pieces_in(value, (*path, key))
 
 
 def _put(state: dict[str, Any], path: tuple[str, ...], value: Any) -> None:
@@ -155,7 +155,7 @@ class StreamingFileWriter(FileSystemWriter):
     file and letting each go once it is written. torch 2.9's own writer keeps every
     tensor it wrote to a file until the file is closed (for its safetensors format),
     so a file would hold the host's whole share; here what a save holds is what its
-    sources hold (:class:`xpipe._xla.HostShards`: one tensor's shards at a time). The
+    sources hold (:class:`xpipe.checkpoints.shards.HostShards`: one tensor's shards at a time). The
     records are DCP's own (``_write_item``), so DCP's reader reads them."""
 
     def __init__(self, path: str) -> None:
@@ -186,9 +186,9 @@ def _record(data: torch.Tensor | io.BytesIO, item: WriteItem) -> torch.Tensor | 
     return tensor if tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size() else tensor.clone()
 
 
-def from_shards(shape: torch.Size, dtype: torch.dtype, shards: ShardSource) -> Chunks:
+def from_shards(shape: torch.Size, dtype: torch.dtype, shards: ShardSource) -> Pieces:
     """A tensor as the shards of it this host holds, each one piece."""
-    return Chunks(shape, dtype, [Piece(tuple(part.start for part in index), tuple(part.stop - part.start
+    return Pieces(shape, dtype, [Piece(tuple(part.start for part in index), tuple(part.stop - part.start
                                                                                   for part in index), shards, shard)
                                  for shard, index in enumerate(shards.places)])
 

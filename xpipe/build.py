@@ -1,0 +1,227 @@
+"""How ``xpipe.Pipe(...)`` decides and builds: once each, every refusal first.
+
+A Pipe captures its model once (:class:`ModelCapture`), chooses its executor from
+that capture (:func:`choose_executor`), then builds: one partition, one schedule
+(the one the user named, for the stage count and microbatches the executor runs),
+handed to the executor that interprets it. Every argument the executor needs is
+checked before any device work: the SPMD mode is entered, and weights move onto
+XLA devices, only once nothing can refuse.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import torch
+import torch_xla
+import torch_xla.distributed.spmd as xs
+import torch_xla.runtime as xr
+from torch import nn
+
+from xpipe._checks import check_positive_int
+from xpipe._retired import retire
+from xpipe._xla import can_enter_spmd, move_keeping_ties, rebind, warm_autograd
+from xpipe.capture import Captured, place_constants_on, trace_layers
+from xpipe.devices.executor import DevicesPipeline
+from xpipe.devices.stages import cut_into_stages
+from xpipe.layout import spread
+from xpipe.mesh import axes_of, make_mesh, mesh_axes, spmd_device
+from xpipe.partition import Partition, partition_captured, rebalanced, spmd_balance, spmd_partition
+from xpipe.schedule import Schedule, by_name, check_ring_chunks
+from xpipe.spmd.executor import SCHEDULES as SPMD_SCHEDULES
+from xpipe.spmd.executor import SpmdPipeline, padded_chunks
+from xpipe.spmd.stacking import StackedModel, cut_for_stacking
+from xpipe.tensor_rules import check_head_counts, tensor_dims
+
+EXECUTORS = ("auto", "spmd", "devices")
+
+
+class Options(NamedTuple):
+    """What a Pipe was asked for, checked: the arguments the builds read."""
+
+    chunks: int
+    stages: int | None
+    balance: Sequence[int] | None
+    mesh: xs.Mesh | None
+    schedule: str
+    virtual: int
+    checkpoint: str
+    deferred_batch_norm: bool
+    tensor_rules: dict[str, int | None]
+
+
+class Built(NamedTuple):
+    """A Pipe's executor and what it runs."""
+
+    runner: nn.Module
+    partition: Partition
+    schedule: Schedule
+    mesh: xs.Mesh | None
+    devices: list[torch.device]
+
+
+class ModelCapture:
+    """A Pipe's model, captured once (a trace is the longest part of building a Pipe),
+    and what the executor choice and both builds read from it, each made once: the
+    model's layer graph as one stage (the run of repeated blocks the spmd executor
+    stacks, and the graph any split is made from) and the cut around that run."""
+
+    def __init__(self, module: nn.Module, sample_input: Any) -> None:
+        self.module, self.sample_input = module, sample_input
+        self._captured: Captured | None = None
+        self._whole: Partition | None = None
+        self._stacked: StackedModel | None = None
+
+    @property
+    def captured(self) -> Captured:
+        if self._captured is None:
+            self._captured = trace_layers(self.module, self.sample_input)
+        return self._captured
+
+    def whole(self) -> Partition:
+        """The model's layer graph as one stage."""
+        if self._whole is None:
+            self._whole = partition_captured(self.module, self.captured, 1, sample_input=self.sample_input)
+        return self._whole
+
+    def stacked(self) -> StackedModel:
+        """The model cut around its repeated blocks (ValueError if it has none to stack)."""
+        if self._stacked is None:
+            self._stacked = cut_for_stacking(self.module, self.whole(), self.sample_input, self.captured)
+        return self._stacked
+
+
+def choose_executor(executor: str, capture: ModelCapture, options: Options) -> str:
+    """``executor``, with ``"auto"`` resolved: spmd for a mesh, an SPMD process or a
+    model with a stackable run of at least one identical block per stage and a
+    layer per model stage (and a stage count that divides the devices), when the
+    schedule is one spmd runs and the process has not used XLA devices outside
+    SPMD mode; devices otherwise. Touches no device."""
+    if executor not in EXECUTORS:
+        raise ValueError(f"executor: {executor!r} is not an executor; use one of {', '.join(EXECUTORS)}")
+    if executor != "auto":
+        return executor
+    if options.mesh is not None or xr.is_spmd():
+        return "spmd"
+    if options.schedule not in SPMD_SCHEDULES or not can_enter_spmd():
+        return "devices"  # a schedule spmd does not run, or XLA devices already used without SPMD
+    requested = requested_stages(options.stages, options.balance, options.virtual)
+    devices = xr.global_runtime_device_count()
+    stages = devices if requested is None else check_positive_int(requested, "stages")
+    if devices % stages:
+        return "devices"  # no data x stage mesh has this many stages
+    try:
+        plan, stacked = capture.whole(), capture.stacked()
+    except ValueError:
+        return "devices"
+    blocks = len(stacked.blocks)  # what build_spmd accepts: a block per stage, a layer per model stage
+    fits = blocks >= stages and min(spmd_balance(plan, spread(blocks, stages * options.virtual))) >= 1
+    return "spmd" if fits else "devices"
+
+
+def build_spmd(capture: ModelCapture, options: Options) -> Built:
+    """The spmd executor over ``options.mesh`` (or ``make_mesh(stages)``), every
+    argument checked before the process enters SPMD mode."""
+    module = capture.module
+    if options.schedule not in SPMD_SCHEDULES:
+        raise ValueError(f"schedule: the spmd executor runs {' and '.join(map(repr, SPMD_SCHEDULES))} (its "
+                         f"clock loop is GPipe's fill-drain, once or round the stage ring), not {options.schedule!r}; "
+                         "use one of those, or executor='devices'")
+    stages = spmd_stage_count(options.mesh, options.stages, options.balance, options.virtual)
+    if options.schedule == "circular":  # what the ring cannot run is refused for the chunks asked for
+        check_ring_chunks(stages, options.chunks, options.virtual)
+    schedule = by_name(options.schedule, stages, padded_chunks(options.chunks, stages), options.virtual)
+    tensor = axes_of(options.mesh).tensor if options.mesh is not None else 1
+    check_head_counts(module, tensor)
+    plan, stacked = capture.whole(), capture.stacked()
+    if len(stacked.blocks) < stages:
+        raise ValueError(f"stages: the model's body (its longest run of identical blocks) has "
+                         f"{len(stacked.blocks)} blocks, fewer than the {stages} stages; use at most "
+                         f"{len(stacked.blocks)} stages, or executor='devices'")
+    partition = spmd_partition(plan, spread(len(stacked.blocks), stages * options.virtual), options.balance)
+    named = list(stacked.blocks[0].named_parameters())
+    dims = tensor_dims([n for n, _ in named], [p.shape for _, p in named], tensor, options.tensor_rules)
+    mesh = options.mesh if options.mesh is not None else make_mesh(stages)  # the process enters SPMD mode here
+    device = spmd_device()
+    rebind(module, move_keeping_ties([stacked.pre, stacked.post], device))
+    for piece in [stacked.pre, *stacked.blocks, stacked.post]:
+        place_constants_on(piece, device)
+    runner = SpmdPipeline(stacked, mesh, schedule, options.chunks, options.checkpoint, device, tie_groups(module),
+                          dims)
+    retire(module, [p for block in stacked.blocks for p in block.parameters()])
+    return Built(runner, partition, schedule, mesh, [device])
+
+
+def build_devices(capture: ModelCapture, options: Options) -> Built:
+    """The devices executor, one stage (or ``virtual`` of them) per XLA device."""
+    module = capture.module
+    if options.tensor_rules:
+        raise ValueError("tensor_rules: the devices executor has no 'tensor' axis to split weights over; use "
+                         "executor='spmd' with a mesh from xpipe.make_mesh(..., tensor=N), or leave them out")
+    if options.mesh is not None:
+        raise ValueError("mesh: the devices executor puts one stage on each XLA device and takes no mesh; "
+                         "leave mesh out, or use executor='spmd'")
+    if xr.is_spmd():
+        raise ValueError("executor: this process is in SPMD mode, where the 'devices' executor cannot run; "
+                         "use executor='spmd', or run the devices executor in a process without SPMD")
+    stages = _stage_count(options.stages, options.balance, xr.global_runtime_device_count(), options.virtual)
+    schedule = by_name(options.schedule, stages, options.chunks, options.virtual)
+    partition = rebalanced(capture.whole(), options.balance, stages=stages * options.virtual)
+    staged = cut_into_stages(module, partition, capture.sample_input, capture.captured)
+    devices = [torch_xla.device(index) for index in range(stages)]
+    warm_autograd(devices[0])
+    placed: set[int] = set()
+    for stage, program in enumerate(staged.stages):
+        device = devices[schedule.rank_of(stage)]
+        # The model holds what trains; a weight tied across devices stays with its first stage.
+        rebind(module, move_keeping_ties([program.module], device, keep=placed))
+        placed.update(id(t) for t in [*program.module.parameters(), *program.module.buffers()])
+        place_constants_on(program.module, device)
+    runner = DevicesPipeline(staged, devices, schedule, options.checkpoint, module,
+                             deferred_batch_norm=options.deferred_batch_norm)
+    return Built(runner, partition, schedule, None, devices)
+
+
+def tie_groups(module: nn.Module) -> dict[str, tuple[str, ...]]:
+    """Each ``state_dict`` key of ``module``, in order, with every key that names the
+    same tensor (a weight tied between the embedding and the head has two)."""
+    state = module.state_dict(keep_vars=True)
+    names: dict[int, list[str]] = {}
+    for key, tensor in state.items():
+        names.setdefault(id(tensor), []).append(key)
+    return {key: tuple(names[id(tensor)]) for key, tensor in state.items()}
+
+
+def requested_stages(stages: int | None, balance: Sequence[int] | None, virtual: int = 1) -> int | None:
+    """The stage count (devices) that ``stages`` or ``balance`` asks for, if either
+    does; ``balance`` lists ``virtual`` model stages per device."""
+    if balance is not None and len(balance) % virtual:
+        raise ValueError(f"balance: has {len(balance)} entries, not a multiple of virtual={virtual} (one per "
+                         "model stage, virtual of them per device)")
+    if balance is not None and stages is not None and len(balance) != stages * virtual:
+        raise ValueError(f"balance: has {len(balance)} model stages but stages={stages} x virtual={virtual} "
+                         f"needs {stages * virtual}; make them agree")
+    return stages if stages is not None else (len(balance) // virtual if balance is not None else None)
+
+
+def _stage_count(stages: int | None, balance: Sequence[int] | None, devices: int, virtual: int = 1) -> int:
+    requested = requested_stages(stages, balance, virtual)
+    stages = check_positive_int(devices if requested is None else requested, "stages")
+    if stages > devices:
+        raise ValueError(f"stages: {stages} stages need {stages} XLA devices, but there are {devices}; "
+                         f"use at most {devices} stages")
+    return stages
+
+
+def spmd_stage_count(mesh: xs.Mesh | None, stages: int | None, balance: Sequence[int] | None,
+                     virtual: int) -> int:
+    """The stage count of an spmd Pipe, checked against the mesh or the device count
+    before the process is switched into SPMD mode."""
+    requested = requested_stages(stages, balance, virtual)
+    if mesh is None:
+        return mesh_axes(xr.global_runtime_device_count() if requested is None else requested).stage
+    stages = axes_of(mesh).stage
+    if requested is not None and stages != requested:
+        raise ValueError(f"stages: {requested} does not match the mesh's 'stage' axis of {stages}")
+    return stages

@@ -1,4 +1,4 @@
-"""Partition a transformer language model into pipeline stages and print the plan.
+"""Partition a transformer language model into pipeline stages and print the split.
 
     python examples/partition_lm.py
 
@@ -17,8 +17,8 @@ def main() -> None:
     model = transformer_lm(blocks=24, width=128, seq=128, vocab=1024)
     batch = torch.randint(0, 1024, (8, 128))  # [batch, seq] token ids
     for cost in ("flops", "memory"):
-        plan = xpipe.partition(model, 4, sample_input=batch, cost=cost)
-        print(plan, end="\n\n")
+        split = xpipe.partition(model, 4, sample_input=batch, cost=cost)
+        print(split, end="\n\n")
 
 
 if __name__ == "__main__":

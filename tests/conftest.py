@@ -17,6 +17,7 @@ os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_backend_opti
 
 import pytest  # noqa: E402
 
+from counting import count_captures, count_schedule_builds  # noqa: E402
 from tiers import DurationRecorder, add_tier_option, select_tier  # noqa: E402
 
 SPMD_WORKER = os.environ.get("XPIPE_SPMD_WORKER") == "1"
@@ -57,33 +58,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 @pytest.fixture
 def captures(monkeypatch) -> list[str]:
     """The captures of a model (torch.fx traces, torch.export runs) made from here on, in order."""
-    from xpipe import capture
-
-    made: list[str] = []
-
-    def counting(kind: str, capture_function):
-        def counted(*args):
-            made.append(kind)
-            return capture_function(*args)
-        return counted
-
-    monkeypatch.setattr(capture, "_trace_fx", counting("fx", capture._trace_fx))
-    monkeypatch.setattr(capture, "_export", counting("export", capture._export))
-    return made
+    return count_captures(monkeypatch.setattr)
 
 
 @pytest.fixture
 def schedule_builds(monkeypatch) -> list[str]:
     """The schedules built from here on (by name, through ``xpipe.schedule.by_name``), in order."""
-    from xpipe import schedule
-
-    built: list[str] = []
-
-    def counting(name: str, build):
-        def counted(*args):
-            built.append(name)
-            return build(*args)
-        return counted
-
-    monkeypatch.setattr(schedule, "SCHEDULES", {name: counting(name, build) for name, build in schedule.SCHEDULES.items()})
-    return built
+    return count_schedule_builds(monkeypatch.setattr)

@@ -21,25 +21,25 @@ from hf_models import gpt2, llama, t5, tokens
 def test_a_hugging_face_llama_is_captured_with_its_own_layer_names():
     mask = torch.ones(2, 8, dtype=torch.long)
     mask[0, :3] = 0  # a padded row
-    plan = xpipe.partition(llama(), 2, sample_input={"input_ids": tokens(), "attention_mask": mask}, cost="flops")
-    names = [name for stage in plan.stages for name in stage]
+    split = xpipe.partition(llama(), 2, sample_input={"input_ids": tokens(), "attention_mask": mask}, cost="flops")
+    names = [name for stage in split.stages for name in stage]
     assert names == ["model.embed_tokens", "model.rotary_emb", *(f"model.layers.{i}" for i in range(4)),
                      "model.norm", "lm_head"]
-    assert plan.repeated.count == 4 and plan.repeated.period == 1
+    assert split.repeated.count == 4 and split.repeated.period == 1
     model = llama()
-    counted = {name: plan.graph.nodes[name]["params"] for name in names}
+    counted = {name: split.graph.nodes[name]["params"] for name in names}
     assert counted["model.layers.2"] == sum(p.numel() for p in model.model.layers[2].parameters())
     assert counted["lm_head"] == model.lm_head.weight.numel(), "the tied head counts its weight"
-    crossing = {c.name for c in plan.boundaries[0]}
+    crossing = {c.name for c in split.boundaries[0]}
     assert len(crossing) >= 3, f"hidden state, the mask and the rotary cos/sin cross the cut: {crossing}"
 
 
 def test_gpt2_with_labels_keeps_its_loss_in_the_last_layer():
-    plan = xpipe.partition(gpt2(), 4, sample_input={"input_ids": tokens(), "labels": tokens()})
-    assert plan.stages[0][0] == "transformer.wte" and plan.stages[-1][-1] == "lm_head"
-    blocks = [name for stage in plan.stages for name in stage if ".h." in name]
+    split = xpipe.partition(gpt2(), 4, sample_input={"input_ids": tokens(), "labels": tokens()})
+    assert split.stages[0][0] == "transformer.wte" and split.stages[-1][-1] == "lm_head"
+    blocks = [name for stage in split.stages for name in stage if ".h." in name]
     assert blocks == [f"transformer.h.{i}" for i in range(4)]
-    assert plan.repeated.per_stage == (1, 1, 1, 1)
+    assert split.repeated.per_stage == (1, 1, 1, 1)
 
 
 def test_without_a_sample_an_untraceable_model_says_how_to_capture_it():
@@ -51,10 +51,10 @@ def test_torchvisions_vit_exposes_its_encoder_blocks_without_a_sample():
     vit = torchvision.models.VisionTransformer(image_size=32, patch_size=16, num_layers=4, num_heads=2,
                                                hidden_dim=32, mlp_dim=64)
     assert opened_modules(vit) == {"", "encoder", "encoder.layers"}
-    plan = xpipe.partition(vit, 2)
-    blocks = [name for stage in plan.stages for name in stage if name.startswith("encoder.layers.")]
+    split = xpipe.partition(vit, 2)
+    blocks = [name for stage in split.stages for name in stage if name.startswith("encoder.layers.")]
     assert blocks == [f"encoder.layers.encoder_layer_{i}" for i in range(4)]
-    assert plan.repeated.count == 4
+    assert split.repeated.count == 4
 
 
 def test_an_encoder_decoder_opens_both_runs_of_blocks():
@@ -92,14 +92,14 @@ def test_a_transformer_encoder_is_opened_by_export_and_kept_whole_by_fx():
     model = nn.Sequential(nn.Linear(8, 16), nn.TransformerEncoder(layer, 4), nn.Linear(16, 8))
     _, whole = trace_layers(model)  # fx cannot trace TransformerEncoder.forward: it stays one layer
     assert sorted(set(whole.values())) == ["0", "1", "2"]
-    plan = xpipe.partition(model, 2, sample_input=torch.randn(2, 5, 8))
-    assert [name for stage in plan.stages for name in stage] == ["0", *(f"1.layers.{i}" for i in range(4)), "2"]
+    split = xpipe.partition(model, 2, sample_input=torch.randn(2, 5, 8))
+    assert [name for stage in split.stages for name in stage] == ["0", *(f"1.layers.{i}" for i in range(4)), "2"]
 
 
 def test_the_visualiser_draws_a_llama_with_its_layer_names(tmp_path):
-    plan = xpipe.partition(llama(), 2, sample_input={"input_ids": tokens()})
-    assert "model.embed_tokens .. model.layers.1" in render_text(plan, gpipe(2, 4))
-    render(plan, gpipe(2, 4), tmp_path / "llama.svg")
+    split = xpipe.partition(llama(), 2, sample_input={"input_ids": tokens()})
+    assert "model.embed_tokens .. model.layers.1" in render_text(split, gpipe(2, 4))
+    render(split, gpipe(2, 4), tmp_path / "llama.svg")
     svg = (tmp_path / "llama.svg").read_text()
     assert all(name in svg for name in ("model.rotary_emb", "model.layers.3", "lm_head"))
 

@@ -11,13 +11,13 @@ import pytest
 import torch
 
 from xpipe.schedule import by_name, circular, gpipe
-from xpipe.spmd.conveyor import column_tables, from_slots, make_layout, to_slots
+from xpipe.spmd.conveyor import column_tables, from_slots, slot_layout, to_slots
 
 
 def simulate(stages: int, chunks: int, rounds: int = 1):
     """Run the conveyor's tables on labels ``(slot's stage, slot, times through the
     stages)``: what stage 0 is fed at each clock, and the buffer at the end."""
-    layout = make_layout(chunks, chunks, stages, 1)
+    layout = slot_layout(chunks, chunks, stages, 1)
     schedule = gpipe(stages, layout.padded_chunks) if rounds == 1 else circular(stages, layout.padded_chunks, rounds)
     tables = column_tables(schedule, layout)
     buffer = [[(s, r, 0) for r in range(layout.slots)] for s in range(stages)]
@@ -54,7 +54,7 @@ def test_each_microbatch_enters_on_time_and_comes_to_rest_in_its_slot(stages, ch
 
 
 def test_tables_mark_one_column_per_clock():
-    layout = make_layout(8, 8, 4, 1)
+    layout = slot_layout(8, 8, 4, 1)
     tables = column_tables(gpipe(4, 8), layout)
     assert tables.reads.shape == tables.writes.shape == (11, 2)
     assert tables.reads.sum(1).tolist() == [1] * 8 + [0] * 3
@@ -69,18 +69,18 @@ def test_tables_mark_one_column_per_clock():
 def test_a_schedule_the_conveyor_does_not_run_is_refused():
     with pytest.raises(ValueError, match="schedule: the spmd executor runs fill-drain forwards round the stage "
                                          "ring; '1f1b' runs 0B0 on rank 0 at clock 2"):
-        column_tables(by_name("1f1b", 2, 4), make_layout(4, 4, 2, 1))
+        column_tables(by_name("1f1b", 2, 4), slot_layout(4, 4, 2, 1))
 
 
 def test_layout_pads_chunks_to_fill_every_stage():
-    layout = make_layout(batch=12, chunks=3, stages=4, data=2)
+    layout = slot_layout(batch=12, chunks=3, stages=4, replicas=2)
     assert (layout.slots, layout.rows, layout.padded_chunks, layout.padded_batch) == (1, 2, 4, 16)
 
 
 @pytest.mark.parametrize("batch, chunks, rows, padded", [(10, 4, 2, 16), (12, 4, 2, 16), (3, 4, 1, 8)])
 def test_layout_pads_a_batch_that_does_not_split(batch, chunks, rows, padded):
     """A ragged last batch runs: rows per replica rounded up, rows added for the body only."""
-    layout = make_layout(batch, chunks, 4, 2)
+    layout = slot_layout(batch, chunks, 4, 2)
     assert (layout.rows, layout.padded_batch) == (rows, padded)
 
 
@@ -89,7 +89,7 @@ def test_layout_pads_a_batch_that_does_not_split(batch, chunks, rows, padded):
     (True, 24, 6), (True, 6, 3),  # a microbatch dim always holds chunks equal microbatches
 ])
 def test_slots_round_trip(microbatched, batch, chunks):
-    layout = make_layout(batch=batch, chunks=chunks, stages=4, data=2)
+    layout = slot_layout(batch=batch, chunks=chunks, stages=4, replicas=2)
     x = torch.arange(batch * 3.0).view(batch, 3)
     flat = to_slots(x, layout, microbatched)
     assert flat.shape == (layout.padded_batch, 3)

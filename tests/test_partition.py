@@ -24,60 +24,60 @@ class SkipNet(nn.Module):
 
 
 def test_transformer_blocks_are_found_and_balanced():
-    plan = xpipe.partition(transformer_lm(blocks=8), 4, sample_input=TOKENS, cost="flops")
-    assert plan.repeated == RepeatedBlocks(start=1, period=1, count=8, per_stage=(2, 2, 2, 2))
-    assert sum(plan.balance) == 11 and len(plan.stages) == 4
-    assert plan.stages[0][0] == "embed" and plan.stages[-1][-1] == "head"
-    assert plan.imbalance < 1.25
+    split = xpipe.partition(transformer_lm(blocks=8), 4, sample_input=TOKENS, cost="flops")
+    assert split.repeated == RepeatedBlocks(start=1, period=1, count=8, per_stage=(2, 2, 2, 2))
+    assert sum(split.balance) == 11 and len(split.stages) == 4
+    assert split.stages[0][0] == "embed" and split.stages[-1][-1] == "head"
+    assert split.imbalance < 1.25
 
 
 def test_mlp_stack_blocks_are_found():
-    plan = xpipe.partition(mlp_stack(blocks=8), 4)
-    assert (plan.repeated.start, plan.repeated.period, plan.repeated.count) == (1, 1, 8)
+    split = xpipe.partition(mlp_stack(blocks=8), 4)
+    assert (split.repeated.start, split.repeated.period, split.repeated.count) == (1, 1, 8)
 
 
 def test_flat_sequential_repeats_with_a_period_of_two_layers():
     model = nn.Sequential(nn.Linear(4, 8), *[m for _ in range(5) for m in (nn.Linear(8, 8), nn.ReLU())], nn.Linear(8, 2))
-    plan = xpipe.partition(model, 2)
-    assert (plan.repeated.start, plan.repeated.period, plan.repeated.count) == (1, 2, 5)
+    split = xpipe.partition(model, 2)
+    assert (split.repeated.start, split.repeated.period, split.repeated.count) == (1, 2, 5)
 
 
 def test_seven_blocks_on_four_stages_are_recorded_unevenly():
-    plan = xpipe.partition(nn.Sequential(*(MLPBlock(16) for _ in range(7))), 4)
-    assert sorted(plan.balance) == [1, 2, 2, 2]
-    assert plan.repeated.count == 7 and plan.repeated.per_stage == plan.balance
+    split = xpipe.partition(nn.Sequential(*(MLPBlock(16) for _ in range(7))), 4)
+    assert sorted(split.balance) == [1, 2, 2, 2]
+    assert split.repeated.count == 7 and split.repeated.per_stage == split.balance
 
 
 def test_params_costs_add_up_to_the_model():
     model = mlp_stack(blocks=6)
-    plan = xpipe.partition(model, 3)
-    assert sum(plan.costs) == sum(p.numel() for p in model.parameters())
-    assert max(plan.costs) == pytest.approx(plan.imbalance * sum(plan.costs) / 3)
+    split = xpipe.partition(model, 3)
+    assert sum(split.costs) == sum(p.numel() for p in model.parameters())
+    assert max(split.costs) == pytest.approx(split.imbalance * sum(split.costs) / 3)
 
 
 def test_skip_connection_is_reported_on_every_cut_it_crosses():
-    plan = xpipe.partition(SkipNet(), 4, sample_input=torch.zeros(5, 8))
-    assert plan.balance == (1, 1, 1, 1)
-    skips = [[c for c in cut if c.producer == "a"] for cut in plan.boundaries]
+    split = xpipe.partition(SkipNet(), 4, sample_input=torch.zeros(5, 8))
+    assert split.balance == (1, 1, 1, 1)
+    skips = [[c for c in cut if c.producer == "a"] for cut in split.boundaries]
     assert [len(s) for s in skips] == [1, 1, 0]
     crossing = skips[1][0]
     assert (crossing.source_stage, crossing.last_stage) == (0, 2)
     assert (crossing.shape, crossing.dtype, crossing.bytes) == ((5, 8), "float32", 160)
-    assert "cut 1->2: a (a) [5, 8] float32" in str(plan)
+    assert "cut 1->2: a (a) [5, 8] float32" in str(split)
 
 
 def test_memory_cost_includes_what_crosses_into_the_stage():
-    plan = xpipe.partition(SkipNet(), balance=[1, 1, 1, 1], sample_input=torch.zeros(5, 8), cost="memory")
-    node = plan.graph.nodes["c"]
+    split = xpipe.partition(SkipNet(), balance=[1, 1, 1, 1], sample_input=torch.zeros(5, 8), cost="memory")
+    node = split.graph.nodes["c"]
     received = 160 + 160  # b's output and the skip from a
-    assert plan.costs[2] == 2 * node["param_bytes"] + node["activation_bytes"] + received
+    assert split.costs[2] == 2 * node["param_bytes"] + node["activation_bytes"] + received
 
 
 def test_given_balance_is_used_as_is():
-    plan = xpipe.partition(mlp_stack(blocks=6), balance=[1, 3, 2, 2])
-    assert plan.balance == (1, 3, 2, 2)
-    assert plan.stages[0] == ("0",) and plan.stages[1] == ("1", "2", "3")
-    assert plan.stage_of("3") == 1
+    split = xpipe.partition(mlp_stack(blocks=6), balance=[1, 3, 2, 2])
+    assert split.balance == (1, 3, 2, 2)
+    assert split.stages[0] == ("0",) and split.stages[1] == ("1", "2", "3")
+    assert split.stage_of("3") == 1
 
 
 def test_json_of_another_kind_is_refused_by_what_it_lacks():
@@ -87,10 +87,10 @@ def test_json_of_another_kind_is_refused_by_what_it_lacks():
 
 
 def test_json_round_trip_keeps_everything():
-    plan = xpipe.partition(transformer_lm(blocks=4), 3, sample_input=TOKENS, cost="memory")
-    again = xpipe.Partition.from_json(plan.to_json())
-    assert again == plan
-    assert dict(again.graph.nodes(data=True)) == dict(plan.graph.nodes(data=True))
+    split = xpipe.partition(transformer_lm(blocks=4), 3, sample_input=TOKENS, cost="memory")
+    again = xpipe.Partition.from_json(split.to_json())
+    assert again == split
+    assert dict(again.graph.nodes(data=True)) == dict(split.graph.nodes(data=True))
     assert again.boundaries[0][0].shape == (2, 16, 64)
 
 

@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -210,7 +211,8 @@ def test_auto_picks_devices_where_xla_devices_were_used_outside_spmd():
 
 def run_fresh(code: str) -> subprocess.CompletedProcess:
     """Run ``code`` in a new Python process with 8 emulated devices and no XLA use yet."""
-    environment = dict(os.environ, PJRT_DEVICE="CPU", CPU_NUM_DEVICES="8")
+    tests_first = filter(None, [str(Path(__file__).parent), os.environ.get("PYTHONPATH")])  # for counting.py
+    environment = dict(os.environ, PJRT_DEVICE="CPU", CPU_NUM_DEVICES="8", PYTHONPATH=os.pathsep.join(tests_first))
     return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=environment, capture_output=True,
                           text=True, timeout=300)
 
@@ -236,17 +238,17 @@ def test_auto_picks_spmd_wherever_spmd_accepts_the_model():
     norm and head, which the spmd executor runs; auto picks it in a fresh process."""
     result = run_fresh("""
         import xpipe
-        from xpipe import capture
+        from counting import count_captures, count_schedule_builds
         from xpipe.models import transformer_lm
-        traces = []
-        trace_fx = capture._trace_fx
-        capture._trace_fx = lambda *args: traces.append(1) or trace_fx(*args)
+        captures, schedules = count_captures(), count_schedule_builds()
         pipe = xpipe.Pipe(transformer_lm(blocks=7, width=16), chunks=8, stages=4, schedule="circular", virtual=2)
-        print("executor", pipe.executor, pipe.partition.balance, "traces", len(traces))
+        print("executor", pipe.executor, pipe.partition.balance, "captures", captures, "schedules", schedules,
+              "runs the one built", pipe.runner.schedule is pipe.schedule)
     """)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "executor spmd" in result.stdout, result.stdout
-    assert "traces 1" in result.stdout, result.stdout  # the choice and the build read one capture
+    # the choice and the build read one capture; the schedule named is built once and run
+    assert "captures ['fx'] schedules ['circular'] runs the one built True" in result.stdout, result.stdout
 
 
 def test_spmd_after_xla_devices_were_used_is_refused_not_crashed():

@@ -206,9 +206,9 @@ def test_vit_b_16_on_four_devices():
     model = torchvision.models.vit_b_16(image_size=32, num_classes=10)
     images = torch.randn(8, 3, 32, 32, generator=torch.Generator().manual_seed(1))
     targets = torch.randint(0, 10, (8,), generator=torch.Generator().manual_seed(2))
-    plan = xpipe.partition(model, 4, sample_input=images[:2], cost="flops")
+    split = xpipe.partition(model, 4, sample_input=images[:2], cost="flops")
     pipe = assert_pipe_matches(model, images, targets, F.cross_entropy, chunks=4, stages=4, executor="devices")
-    assert plan.graph.graph["annotated"], "the partition is still there, with its measured costs"
+    assert split.graph.graph["annotated"], "the partition is still there, with its measured costs"
     holding_blocks = [any(name.startswith("encoder.layers.") for name in stage) for stage in pipe.partition.stages]
     assert all(holding_blocks), f"the encoder's blocks are layers of their own: {pipe.partition.stages}"
 

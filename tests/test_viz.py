@@ -19,7 +19,7 @@ SVG = "{http://www.w3.org/2000/svg}"
 
 
 @pytest.fixture(scope="module", params=["lm", "cnn"])
-def plan(request):
+def drawing(request):
     if request.param == "lm":
         model, sample, stages = transformer_lm(blocks=6), torch.zeros(4, 64, dtype=torch.long), 4
     else:
@@ -32,16 +32,16 @@ def ids(root, prefix):
     return [e.get("id") for e in root.iter() if e.get("id", "").startswith(prefix)]
 
 
-def test_svg_has_three_panels_every_cell_and_the_cut_labels(plan, tmp_path):
-    partition, schedule = plan
-    render(partition, schedule, tmp_path / "plan.svg")
-    root = ElementTree.parse(tmp_path / "plan.svg").getroot()
+def test_svg_has_three_panels_every_cell_and_the_cut_labels(drawing, tmp_path):
+    partition, schedule = drawing
+    render(partition, schedule, tmp_path / "partition.svg")
+    root = ElementTree.parse(tmp_path / "partition.svg").getroot()
     assert all(ids(root, panel) == [panel] for panel in PANELS)
     assert len(ids(root, "cell-")) == schedule.stages * schedule.clocks
     assert len(ids(root, "layer-")) == len(boxes(partition))
     texts = " ".join(t.text or "" for t in root.iter(f"{SVG}text"))
     if not texts.strip():  # matplotlib writes text as paths; its comments keep the strings
-        texts = (tmp_path / "plan.svg").read_text()
+        texts = (tmp_path / "partition.svg").read_text()
     for cut in partition.boundaries:
         crossing = cut[0]
         assert f"{crossing.name} {list(crossing.shape)}" in texts
@@ -49,24 +49,24 @@ def test_svg_has_three_panels_every_cell_and_the_cut_labels(plan, tmp_path):
     assert f"bubble {bubble:.1%}" in texts
 
 
-def test_html_is_self_contained_with_hover_text(plan, tmp_path):
-    partition, schedule = plan
-    render(partition, schedule, tmp_path / "plan.html")
-    html = (tmp_path / "plan.html").read_text()
+def test_html_is_self_contained_with_hover_text(drawing, tmp_path):
+    partition, schedule = drawing
+    render(partition, schedule, tmp_path / "partition.html")
+    html = (tmp_path / "partition.html").read_text()
     assert html.startswith("<!DOCTYPE html>") and "<script src" not in html and "<link" not in html
     assert "<title>clock 0, stage 0: forward of model stage 0, microbatch 0</title>" in html
     assert re.search(r"<title>stage 0: forward FLOPs [\d.]+[KMG]?FLOP</title>", html)
     assert all(f'id="{panel}"' in html for panel in PANELS)
 
 
-def test_png_is_a_picture(plan, tmp_path):
-    partition, schedule = plan
-    render(partition, schedule, tmp_path / "plan.png")
-    assert (tmp_path / "plan.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+def test_png_is_a_picture(drawing, tmp_path):
+    partition, schedule = drawing
+    render(partition, schedule, tmp_path / "partition.png")
+    assert (tmp_path / "partition.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_text_has_the_plan_the_costs_and_the_timeline(plan):
-    partition, schedule = plan
+def test_text_has_the_stages_the_costs_and_the_timeline(drawing):
+    partition, schedule = drawing
     text = render_text(partition, schedule)
     assert f"into {schedule.stages} stages" in text and "per stage: parameters" in text
     assert len(re.findall(r"^s\d+ ", text, re.MULTILINE)) == schedule.stages
@@ -84,11 +84,11 @@ def test_html_loads_in_headless_chromium(tmp_path):
     browser = shutil.which("chromium") or shutil.which("chromium-browser")
     assert browser, "headless Chromium is needed: the README's test command installs it (apt-get install chromium)"
     partition = xpipe.partition(transformer_lm(blocks=4), 2, sample_input=torch.zeros(2, 64, dtype=torch.long))
-    render(partition, gpipe(2, 4), tmp_path / "plan.html")
+    render(partition, gpipe(2, 4), tmp_path / "partition.html")
     result = subprocess.run(
         [browser, "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
          "--disable-component-update", "--disable-sync", "--no-first-run", f"--user-data-dir={tmp_path / 'profile'}",
-         "--enable-logging=stderr", "--v=0", "--dump-dom", (tmp_path / "plan.html").as_uri()],
+         "--enable-logging=stderr", "--v=0", "--dump-dom", (tmp_path / "partition.html").as_uri()],
         capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
     assert all(f'id="{panel}"' in result.stdout for panel in PANELS)
@@ -96,11 +96,11 @@ def test_html_loads_in_headless_chromium(tmp_path):
     assert console == []
 
 
-def test_command_line_renders_a_factory_and_a_saved_plan(tmp_path, capsys):
+def test_command_line_renders_a_factory_and_a_saved_partition(tmp_path, capsys):
     assert main(["xpipe.models:transformer_lm", "--stages", "2", "--chunks", "4", "--cost", "flops",
-                 "--input-shape", "2,16", "--out", str(tmp_path / "plan.svg")]) == 0
-    assert (tmp_path / "plan.svg").exists()
-    saved = tmp_path / "plan.json"
+                 "--input-shape", "2,16", "--out", str(tmp_path / "partition.svg")]) == 0
+    assert (tmp_path / "partition.svg").exists()
+    saved = tmp_path / "partition.json"
     saved.write_text(xpipe.partition(small_cnn(), 3).to_json())
     assert main(["--partition", str(saved), "--chunks", "2", "--out", "-"]) == 0
     out = capsys.readouterr().out
@@ -129,7 +129,7 @@ def test_bad_arguments_print_one_line_and_fail(argv, message, capsys):
 
 def test_the_users_own_files_give_one_line_errors(tmp_path, monkeypatch, capsys):
     """A model file in the current directory is found (as ``python -m`` finds it); one
-    that fails while it loads, a factory that raises and a plan of another schema each
+    that fails while it loads, a factory that raises and a partition of another schema each
     end in one line naming the problem, not a traceback."""
     monkeypatch.chdir(tmp_path)
     (tmp_path / "my_model.py").write_text(

@@ -22,17 +22,17 @@ from xpipe.viz import render, render_text
 
 def main() -> None:
     start = time.perf_counter()
-    plan = xpipe.partition(transformer_lm(blocks=48), 8, sample_input=torch.zeros(8, 64, dtype=torch.long),
+    split = xpipe.partition(transformer_lm(blocks=48), 8, sample_input=torch.zeros(8, 64, dtype=torch.long),
                            cost="flops")
     print(f"partition (cost=flops): {time.perf_counter() - start:.2f} s")
     schedule = gpipe(8, 32)
     with tempfile.TemporaryDirectory() as folder:
         for suffix in ("svg", "png", "html"):
             start = time.perf_counter()
-            render(plan, schedule, Path(folder) / f"plan.{suffix}")
+            render(split, schedule, Path(folder) / f"partition.{suffix}")
             print(f"render {suffix}: {time.perf_counter() - start:.2f} s")
     start = time.perf_counter()
-    render_text(plan, schedule)
+    render_text(split, schedule)
     print(f"render text: {time.perf_counter() - start:.3f} s")
 
 

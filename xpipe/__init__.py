@@ -1,6 +1,6 @@
 """xpipe: GPipe-style pipeline parallelism for PyTorch/XLA.
 
-    plan = xpipe.partition(model, stages=4, sample_input=batch, cost="flops")
+    split = xpipe.partition(model, stages=4, sample_input=batch, cost="flops")
     pipe = xpipe.Pipe(model, chunks=8, mesh=xpipe.make_mesh(stages=4))
     xpipe.save("run/ckpt", pipe, optimizer, step=step)
     layouts = xpipe.plan(model, devices=256, batch=32, chip="v5e", sample_input=batch)

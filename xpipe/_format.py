@@ -1,4 +1,4 @@
-"""Number formatting shared by the printed plan and the visualiser."""
+"""Number formatting shared by the printed partition and the visualiser."""
 
 
 def human(value: float) -> str:

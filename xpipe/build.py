@@ -112,11 +112,11 @@ def choose_executor(executor: str, capture: ModelCapture, options: Options) -> s
     if devices % stages:
         return "devices"  # no data x stage mesh has this many stages
     try:
-        plan, stacked = capture.whole(), capture.stacked()
+        whole, stacked = capture.whole(), capture.stacked()
     except ValueError:
         return "devices"
     blocks = len(stacked.blocks)  # what build_spmd accepts: a block per stage, a layer per model stage
-    fits = blocks >= stages and min(spmd_balance(plan, spread(blocks, stages * options.virtual))) >= 1
+    fits = blocks >= stages and min(spmd_balance(whole, spread(blocks, stages * options.virtual))) >= 1
     return "spmd" if fits else "devices"
 
 
@@ -134,12 +134,12 @@ def build_spmd(capture: ModelCapture, options: Options) -> Built:
     schedule = by_name(options.schedule, stages, padded_chunks(options.chunks, stages), options.virtual)
     tensor = axes_of(options.mesh).tensor if options.mesh is not None else 1
     check_head_counts(module, tensor)
-    plan, stacked = capture.whole(), capture.stacked()
+    whole, stacked = capture.whole(), capture.stacked()
     if len(stacked.blocks) < stages:
         raise ValueError(f"stages: the model's body (its longest run of identical blocks) has "
                          f"{len(stacked.blocks)} blocks, fewer than the {stages} stages; use at most "
                          f"{len(stacked.blocks)} stages, or executor='devices'")
-    partition = spmd_partition(plan, spread(len(stacked.blocks), stages * options.virtual), options.balance)
+    partition = spmd_partition(whole, spread(len(stacked.blocks), stages * options.virtual), options.balance)
     named = list(stacked.blocks[0].named_parameters())
     dims = tensor_dims([n for n, _ in named], [p.shape for _, p in named], tensor, options.tensor_rules)
     mesh = options.mesh if options.mesh is not None else make_mesh(stages)  # the process enters SPMD mode here

@@ -175,8 +175,8 @@ def partition(
             or a model that torch.fx cannot trace.
 
     Example:
-        >>> plan = xpipe.partition(model, 4, sample_input=torch.zeros(8, 64, dtype=torch.long), cost="flops")
-        >>> print(plan)
+        >>> split = xpipe.partition(model, 4, sample_input=torch.zeros(8, 64, dtype=torch.long), cost="flops")
+        >>> print(split)
     """
     return partition_captured(module, None, stages, sample_input=sample_input, cost=cost, balance=balance)
 
@@ -198,15 +198,15 @@ def partition_captured(
     return _split(graph, stages, cost, balance)
 
 
-def rebalanced(plan: Partition, balance: Sequence[int] | None = None, *, stages: int | None = None) -> Partition:
-    """``plan``'s model split again, from the graph ``plan`` already holds (the model
+def rebalanced(split: Partition, balance: Sequence[int] | None = None, *, stages: int | None = None) -> Partition:
+    """``split``'s model split again, from the graph ``split`` already holds (the model
     is not captured again): by ``balance``, or into ``stages`` stages of balanced cost.
 
     Raises:
         ValueError: if ``balance`` does not fit the model's layers, or neither it nor
             ``stages`` is given.
     """
-    return _split(plan.graph.copy(), _stage_count(stages, balance), plan.cost, balance)
+    return _split(split.graph.copy(), _stage_count(stages, balance), split.cost, balance)
 
 
 def _split(graph: nx.DiGraph, stages: int, cost: str, balance: Sequence[int] | None) -> Partition:
@@ -411,21 +411,22 @@ def _as_tuple(value: Any) -> Any:
     return tuple(_as_tuple(item) for item in value) if isinstance(value, list) else value
 
 
-def spmd_balance(plan: Partition, per_stage: tuple[int, ...]) -> list[int]:
+def spmd_balance(whole: Partition, per_stage: tuple[int, ...]) -> list[int]:
     """Layers per model stage when ``per_stage`` blocks of the body go to each, the
-    layers before the body to the first and those after it to the last."""
-    repeated = plan.repeated
+    layers before the body to the first and those after it to the last (``whole``:
+    the model's partition as one stage)."""
+    repeated = whole.repeated
     blocks = [count * repeated.period for count in per_stage]
-    post = sum(plan.balance) - repeated.start - repeated.period * repeated.count
-    return [blocks[0] + repeated.start, *blocks[1:-1], blocks[-1] + post] if len(blocks) > 1 else [sum(plan.balance)]
+    post = sum(whole.balance) - repeated.start - repeated.period * repeated.count
+    return [blocks[0] + repeated.start, *blocks[1:-1], blocks[-1] + post] if len(blocks) > 1 else [sum(whole.balance)]
 
 
-def spmd_partition(plan: Partition, per_stage: tuple[int, ...], balance: Sequence[int] | None) -> Partition:
+def spmd_partition(whole: Partition, per_stage: tuple[int, ...], balance: Sequence[int] | None) -> Partition:
     """The partition the spmd executor runs: the body spread evenly over the model
     stages, pre on the first and post on the last (they run data-parallel over the
     whole mesh)."""
-    repeated = plan.repeated
-    layers = spmd_balance(plan, per_stage)
+    repeated = whole.repeated
+    layers = spmd_balance(whole, per_stage)
     if min(layers) < 1:
         raise ValueError(f"virtual: the model's body has {repeated.count} blocks, too few for "
                          f"{len(per_stage)} model stages (stages x virtual) to hold a layer each; use a smaller "
@@ -433,4 +434,4 @@ def spmd_partition(plan: Partition, per_stage: tuple[int, ...], balance: Sequenc
     if balance is not None and list(balance) != layers:
         raise ValueError(f"balance: the spmd executor spreads the {repeated.count} blocks evenly, which gives "
                          f"balance={layers}; pass that or leave balance out")
-    return rebalanced(plan, layers)
+    return rebalanced(whole, layers)

@@ -10,7 +10,7 @@ One figure, three panels:
 3. the schedule's timeline: a row per stage, a column per clock, forward and
    backward cells labelled by microbatch, idle cells shaded, the bubble in the title.
 
-``render(partition, schedule, "plan.svg")`` writes SVG, PNG or a self-contained
+``render(partition, schedule, "partition.svg")`` writes SVG, PNG or a self-contained
 HTML page (hover text on nodes, bars and cells); ``render_text`` is the same
 for terminals. The ``xpipe-viz`` command (``xpipe/viz_cli.py``) wraps both.
 """

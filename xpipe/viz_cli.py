@@ -1,8 +1,8 @@
 """``xpipe-viz``: draw how a model is split and how its schedule runs.
 
     xpipe-viz xpipe.models:transformer_lm --stages 4 --chunks 8 --cost flops \\
-        --input-shape 8,64 --out plan.html
-    xpipe-viz --partition plan.json --chunks 8 --out -          # text, from a saved plan
+        --input-shape 8,64 --out partition.html
+    xpipe-viz --partition partition.json --chunks 8 --out -          # text, from a saved partition
 
 The factory is ``PACKAGE.MODULE:FUNCTION``, called with no arguments. Bad
 arguments print one line naming the problem and exit with status 2.
@@ -27,14 +27,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     arguments = parser.parse_args(argv)
     try:
-        plan = _plan(arguments)
-        schedule = by_name(arguments.schedule, len(plan.balance), arguments.chunks, arguments.virtual)
+        split = _partition(arguments)
+        schedule = by_name(arguments.schedule, len(split.balance), arguments.chunks, arguments.virtual)
         from xpipe.viz import render, render_text
 
         if arguments.out == "-":
-            print(render_text(plan, schedule))
+            print(render_text(split, schedule))
         else:
-            render(plan, schedule, arguments.out)
+            render(split, schedule, arguments.out)
             print(f"wrote {arguments.out}")
     except (ValueError, ImportError, AttributeError, TypeError, RuntimeError, OSError) as error:
         parser.exit(2, f"xpipe-viz: error: {str(error).splitlines()[0]}\n")
@@ -58,13 +58,13 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _plan(arguments: argparse.Namespace) -> Partition:
+def _partition(arguments: argparse.Namespace) -> Partition:
     if arguments.partition:
         if arguments.factory:
             raise ValueError("factory: give a factory or --partition, not both")
-        return _read_plan(Path(arguments.partition))
+        return _read_partition(Path(arguments.partition))
     if not arguments.factory:
-        raise ValueError("factory: give PACKAGE.MODULE:FUNCTION, or --partition plan.json")
+        raise ValueError("factory: give PACKAGE.MODULE:FUNCTION, or --partition partition.json")
     if arguments.stages is None:
         raise ValueError("--stages: how many stages to split the model into")
     model = load_factory(arguments.factory)
@@ -82,7 +82,7 @@ def _plan(arguments: argparse.Namespace) -> Partition:
                          "ids)") from error
 
 
-def _read_plan(path: Path) -> Partition:
+def _read_partition(path: Path) -> Partition:
     text = path.read_text()
     try:
         return Partition.from_json(text)

@@ -68,8 +68,8 @@ class Event(NamedTuple):
     ready: float
 
 
-class Plan(NamedTuple):
-    """How a step of some number of microbatches runs.
+class StepCells(NamedTuple):
+    """The cells a step of some number of microbatches runs, by clock.
 
     Attributes:
         schedule: the schedule for that many microbatches.
@@ -125,7 +125,7 @@ class DevicesPipeline(nn.Module):
         self.schedule = schedule
         self.chunks = schedule.chunks
         self.checkpoint = checkpoint
-        self.plans: dict[int, Plan] = {}  # microbatches -> plan
+        self.step_cells: dict[int, StepCells] = {}  # by microbatch count
         self.batch_norm = RunningStatistics(list(self.stage_modules), deferred=deferred_batch_norm)
         self.ties = TiedCopies(list(self.stage_modules), self.stage_devices)
         self.ties.refresh()
@@ -167,27 +167,27 @@ class DevicesPipeline(nn.Module):
         for device in self.devices:
             launch_device(device)
 
-    def plan_for(self, chunks: int) -> Plan:
-        """The plan of a step of ``chunks`` microbatches."""
-        if chunks not in self.plans:
+    def cells_for(self, chunks: int) -> StepCells:
+        """The cells of a step of ``chunks`` microbatches."""
+        if chunks not in self.step_cells:
             schedule = self.schedule if chunks == self.chunks else _smaller(self.schedule, chunks)
-            self.plans[chunks] = Plan(schedule, _cells_by_clock(schedule, (FORWARD,)), _backward_phase(schedule),
-                                      kept_cells(schedule, self.checkpoint))
-        return self.plans[chunks]
+            self.step_cells[chunks] = StepCells(schedule, _cells_by_clock(schedule, (FORWARD,)),
+                                                _backward_phase(schedule), kept_cells(schedule, self.checkpoint))
+        return self.step_cells[chunks]
 
     def forward(self, *inputs: torch.Tensor, microbatch_dim: int | None = None) -> Any:
         self._begin(inputs, microbatch_dim)
         split = [microbatches_of(x, self.chunks, microbatch_dim) for x in inputs]
-        plan = self.plan_for(len(split[0]))
+        cells = self.cells_for(len(split[0]))
         differentiating = torch.is_grad_enabled()
-        if differentiating and plan.backward is None:
+        if differentiating and cells.backward is None:
             raise RuntimeError(
-                f"pipe: schedule {plan.schedule.name!r} interleaves forwards and backwards, so autograd cannot run "
+                f"pipe: schedule {cells.schedule.name!r} interleaves forwards and backwards, so autograd cannot run "
                 "its backward from pipe(x)'s output; train with Pipe(..., loss_fn=...) and pipe.step(inputs, "
                 "target), or call pipe(x) under torch.no_grad() for inference")
         wanted = [(key, x) for key, x in keyed_leaves(self.staged.inputs, inputs)
                   if differentiating and isinstance(x, torch.Tensor) and x.requires_grad]
-        step = Step(self, plan, split, microbatch_dim, differentiating=differentiating,
+        step = Step(self, cells, split, microbatch_dim, differentiating=differentiating,
                      input_grads=[key for key, _ in wanted])
         parameters = [self.ties.owner(p) for stage in range(len(self.stage_modules))
                       for p in self.stage_parameters(stage)]
@@ -202,7 +202,7 @@ class DevicesPipeline(nn.Module):
         ``.grad`` the gradients of ``loss_fn(module(inputs), target)``; returns the loss."""
         self._begin(inputs, microbatch_dim)
         split = [microbatches_of(x, self.chunks, microbatch_dim) for x in inputs]
-        plan = self.plan_for(len(split[0]))
+        cells = self.cells_for(len(split[0]))
         targets = microbatches_of(target, [rows(piece) for piece in split[0]] if microbatch_dim is None else self.chunks,
                          microbatch_dim)
         if len(targets) != len(split[0]):
@@ -210,12 +210,12 @@ class DevicesPipeline(nn.Module):
                              "give the target the inputs' batch size (and microbatch_dim)")
         wanted = [(key, x) for key, x in keyed_leaves(self.staged.inputs, inputs)
                   if isinstance(x, torch.Tensor) and x.requires_grad]
-        step = Step(self, plan, split, microbatch_dim, differentiating=True, input_grads=[key for key, _ in wanted])
+        step = Step(self, cells, split, microbatch_dim, differentiating=True, input_grads=[key for key, _ in wanted])
         check = loss_fn not in self.checked_losses and not declares_reduction(loss_fn)
         step.loss = StepLoss(loss_fn, targets, self.stage_devices[-1], check)
         grads_before = saved_grads([*self.state.module.parameters(), *(x for _, x in wanted)]) if check else {}
         with _guard_failures_explained():
-            self.run_cells(plan.schedule.table, step.cell)
+            self.run_cells(cells.schedule.table, step.cell)
         self.batch_norm.commit()
         step.gradients.accumulate_into_grads([x for _, x in wanted])
         if check:

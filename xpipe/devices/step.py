@@ -31,16 +31,16 @@ from xpipe.reduction import model_loss_items, shares
 from xpipe.schedule import BACKWARD, FORWARD, WEIGHT_GRAD, Action
 
 if TYPE_CHECKING:
-    from xpipe.devices.executor import DevicesPipeline, Plan
+    from xpipe.devices.executor import DevicesPipeline, StepCells
 
 
 class Step:
     """The state of one training step: values in flight, kept activations, gradients."""
 
-    def __init__(self, pipeline: DevicesPipeline, plan: Plan, split: list[list[Any]], microbatch_dim: int | None, *,
-                 differentiating: bool, input_grads: list[tuple[str, int]]) -> None:
+    def __init__(self, pipeline: DevicesPipeline, cells: StepCells, split: list[list[Any]],
+                 microbatch_dim: int | None, *, differentiating: bool, input_grads: list[tuple[str, int]]) -> None:
         self.pipeline = pipeline
-        self.plan = plan
+        self.cells = cells
         self.differentiating = differentiating  # False under torch.no_grad(): nothing to keep
         microbatches = [dict(zip(pipeline.staged.inputs, values)) for values in zip(*split)]
         self.values = microbatches  # per microbatch: value name -> tensor, on the device that made it
@@ -64,7 +64,7 @@ class Step:
 
     def keeps(self, stage: int, microbatch: int) -> bool:
         """Whether a cell keeps its activations instead of recomputing them."""
-        return self.differentiating and (stage, microbatch) in self.plan.kept
+        return self.differentiating and (stage, microbatch) in self.cells.kept
 
     def cell(self, action: Action) -> list[torch.Tensor]:
         """Run one cell of the table; returns the XLA tensors to launch."""
@@ -235,7 +235,7 @@ class PipelineFunction(torch.autograd.Function):
     def forward(ctx, step: Step, *inputs_then_parameters: torch.Tensor) -> tuple[torch.Tensor, ...]:
         ctx.step = step
         ctx.inputs = inputs_then_parameters[:len(step.input_grads)]
-        step.pipeline.run_cells(step.plan.forward, step.forward_cell)
+        step.pipeline.run_cells(step.cells.forward, step.forward_cell)
         step.pipeline.batch_norm.commit()
         return tuple(step.end_forward())
 
@@ -243,7 +243,7 @@ class PipelineFunction(torch.autograd.Function):
     def backward(ctx, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         step: Step = ctx.step
         step.set_output_grads(grads)
-        step.pipeline.run_cells(step.plan.backward, step.cell)
+        step.pipeline.run_cells(step.cells.backward, step.cell)
         input_grads = step.gradients.model_input_grads(ctx.inputs)
         del ctx.step, ctx.inputs
         return (None, *input_grads, *step.gradients.parameter_grads())

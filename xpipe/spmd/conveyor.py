@@ -1,9 +1,10 @@
 """The conveyor: how microbatches enter, cross and leave the stacked stages.
 
 A step's batch lives on the mesh as a *slot buffer* ``[S * D, R, rows, F]``:
-the device of stage ``s`` and data replica ``d`` (index ``s * D + d``) holds ``R``
+the device of stage ``s`` and replica ``d`` (index ``s * D + d``; the ``D``
+replicas of a stage are its data x fsdp devices, each with rows of its own) holds ``R``
 slots (microbatches) of ``rows`` rows with ``F`` features each. For batch-first
-input this is just a view of the batch sharded over ``("stage", "data")``, so it
+input this is just a view of the batch sharded over ``("stage", "data", "fsdp")``, so it
 costs no communication. Which rows form a
 microbatch is the executor's choice; row-wise models give the same result.
 
@@ -49,14 +50,14 @@ from xpipe.schedule import FORWARD, Schedule
 
 
 @dataclass(frozen=True)
-class Layout:
-    """Shape of a step's slot buffer ``[stages * data, slots, rows, features]``."""
+class SlotLayout:
+    """Shape of a step's slot buffer ``[stages * replicas, slots, rows, features]``."""
 
     stages: int  # S
-    data: int  # D
+    replicas: int  # D: row groups per stage (the mesh's data x fsdp devices of a stage)
     chunks: int  # microbatches the user asked for
     slots: int  # R = ceil(chunks / stages): microbatches per stage
-    rows: int  # rows of one microbatch on one data replica
+    rows: int  # rows of one microbatch on one replica
     batch: int  # rows the user passed (fewer than padded_batch when padded)
 
     @property
@@ -66,21 +67,21 @@ class Layout:
 
     @property
     def padded_batch(self) -> int:
-        return self.padded_chunks * self.data * self.rows
+        return self.padded_chunks * self.replicas * self.rows
 
 
-def make_layout(batch: int, chunks: int, stages: int, data: int) -> Layout:
-    """Lay ``batch`` rows out as ``chunks`` microbatches over a ``data x stages`` mesh.
+def slot_layout(batch: int, chunks: int, stages: int, replicas: int) -> SlotLayout:
+    """Lay ``batch`` rows out as ``chunks`` microbatches over ``stages x replicas`` devices.
 
     A batch that does not split evenly (the last, smaller batch of an epoch) is
     padded with copies of its last row, which only the stacked body sees: the layers before
     and after it, and the output, get exactly the rows given.
     """
-    return Layout(stages, data, chunks, microbatch_slots(chunks, stages), max(1, -(-batch // (chunks * data))),
-                  batch)
+    rows = max(1, -(-batch // (chunks * replicas)))
+    return SlotLayout(stages, replicas, chunks, microbatch_slots(chunks, stages), rows, batch)
 
 
-def to_slots(x: torch.Tensor, layout: Layout, microbatched: bool) -> torch.Tensor:
+def to_slots(x: torch.Tensor, layout: SlotLayout, microbatched: bool) -> torch.Tensor:
     """Put one tensor of the stream into the flat slot order ``[S * D * R * rows, ...]``.
 
     ``x`` is ``[batch, ...]``: batch-first rows, already in slot order (padded with
@@ -90,17 +91,17 @@ def to_slots(x: torch.Tensor, layout: Layout, microbatched: bool) -> torch.Tenso
     if not microbatched:
         return _pad(x, 0, layout.padded_batch)
     micro = x.view(layout.chunks, layout.batch // layout.chunks, *x.shape[1:])
-    micro = _pad(_pad(micro, 1, layout.data * layout.rows), 0, layout.padded_chunks)  # [M', D * rows, ...]
-    grid = micro.reshape(layout.stages, layout.slots, layout.data, layout.rows, *micro.shape[2:])
+    micro = _pad(_pad(micro, 1, layout.replicas * layout.rows), 0, layout.padded_chunks)  # [M', D * rows, ...]
+    grid = micro.reshape(layout.stages, layout.slots, layout.replicas, layout.rows, *micro.shape[2:])
     return grid.transpose(1, 2).reshape(layout.padded_batch, *micro.shape[2:])
 
 
-def from_slots(y: torch.Tensor, layout: Layout, microbatched: bool) -> torch.Tensor:
+def from_slots(y: torch.Tensor, layout: SlotLayout, microbatched: bool) -> torch.Tensor:
     """Inverse of :func:`to_slots`: ``[S * D * R * rows, ...] -> [batch, ...]``."""
     if not microbatched:
         return y[: layout.batch]
-    grid = y.reshape(layout.stages, layout.data, layout.slots, layout.rows, *y.shape[1:])
-    micro = grid.transpose(1, 2).reshape(layout.padded_chunks, layout.data * layout.rows, *y.shape[1:])
+    grid = y.reshape(layout.stages, layout.replicas, layout.slots, layout.rows, *y.shape[1:])
+    micro = grid.transpose(1, 2).reshape(layout.padded_chunks, layout.replicas * layout.rows, *y.shape[1:])
     return micro[: layout.chunks, : layout.batch // layout.chunks].flatten(0, 1)
 
 
@@ -124,7 +125,7 @@ class ClockTables:
     rounds: np.ndarray  # [T, S] int: the round of the ring each stage runs (clamped in idle cells)
 
 
-def column_tables(schedule: Schedule, layout: Layout) -> ClockTables:
+def column_tables(schedule: Schedule, layout: SlotLayout) -> ClockTables:
     """The conveyor's tables for ``schedule``: GPipe's fill-drain, or circular's
     ``V`` rounds of it back to back.
 
@@ -169,7 +170,7 @@ def column_tables(schedule: Schedule, layout: Layout) -> ClockTables:
 StageFn = Callable[..., torch.Tensor]
 
 
-def make_tick(stages: int, data: int, run_stages: StageFn, ring: bool = False) -> Callable:
+def make_tick(stages: int, replicas: int, run_stages: StageFn, ring: bool = False) -> Callable:
     """The body of the clock loop, for ``torch_xla.experimental.scan``.
 
     Every tensor's dim 0 is the mesh's ``S * D`` devices, stage-major, so moving
@@ -183,9 +184,9 @@ def make_tick(stages: int, data: int, run_stages: StageFn, ring: bool = False) -
 
     def next_stage(x: torch.Tensor, direction: int, around: bool = False) -> torch.Tensor:
         if around:
-            return rotate(x, direction * data)
+            return rotate(x, direction * replicas)
         if stages > 1:
-            return shift(x, direction * data)
+            return shift(x, direction * replicas)
         # Nothing moves with one stage; ``x * 0`` (not zeros_like) keeps every carry
         # in the traced graph, as scan needs a gradient for each.
         return x * 0
@@ -193,9 +194,9 @@ def make_tick(stages: int, data: int, run_stages: StageFn, ring: bool = False) -
     def tick(carry, columns):
         state, buffer, valid, weights = carry
         read, write, from_ring, rounds, keys = columns
-        device = torch.arange(stages * data, device=state.device)
-        first = (device < data).view(-1, *[1] * (state.dim() - 1))
-        last = (device >= (stages - 1) * data).view(-1, *[1] * (state.dim() - 1))
+        device = torch.arange(stages * replicas, device=state.device)
+        first = (device < replicas).view(-1, *[1] * (state.dim() - 1))
+        last = (device >= (stages - 1) * replicas).view(-1, *[1] * (state.dim() - 1))
         read_mask = _column_mask(read, buffer)
         write_mask = _column_mask(write, buffer)
         # In the drain no microbatch enters; stage 0 runs a column it already ran instead

@@ -32,7 +32,7 @@ from xpipe._batchnorm import RunningStatistics
 from xpipe.layout import spread
 from xpipe.recompute import kept_cells, recompute
 from xpipe.schedule import Schedule
-from xpipe.spmd.conveyor import Layout, column_tables, from_slots, make_layout, make_tick, to_slots
+from xpipe.spmd.conveyor import SlotLayout, column_tables, from_slots, slot_layout, make_tick, to_slots
 from xpipe.spmd.dropout import cell_keys, hashed_dropout
 from xpipe.spmd.lowering import ShardableOps
 from xpipe.spmd.placement import Placement
@@ -46,9 +46,9 @@ SCHEDULES = ("gpipe", "circular")  # the schedules whose clock loop this executo
 
 def padded_chunks(chunks: int, stages: int) -> int:
     """The microbatches every step runs for ``chunks`` of them: rounded up to fill
-    every stage's slots (see :func:`xpipe.spmd.conveyor.make_layout`); the padding
+    every stage's slots (see :func:`xpipe.spmd.conveyor.slot_layout`); the padding
     microbatches run too."""
-    return make_layout(chunks, chunks, stages, 1).padded_chunks
+    return slot_layout(chunks, chunks, stages, 1).padded_chunks
 
 
 class SpmdPipeline(nn.Module):
@@ -130,7 +130,7 @@ class SpmdPipeline(nn.Module):
         microbatched = microbatch_dim is not None
         natural = tree_map(lambda x: x.to(device) if not microbatched else
                            x.to(device).movedim(microbatch_dim, 0).flatten(0, 1), inputs)
-        layout = make_layout(tree_flatten(natural)[0][0].shape[0], self.chunks, self.stages, self.replicas)
+        layout = slot_layout(tree_flatten(natural)[0][0].shape[0], self.chunks, self.stages, self.replicas)
         outer = self.placement.gathered_outer([self.pre, self.post])
         with ShardableOps(), self.batch_norm.updating():
             stream, *rest = _as_tuple(functional_call(self.pre, outer[self.pre], natural))
@@ -162,7 +162,7 @@ class SpmdPipeline(nn.Module):
                         "executor stacks the blocks' weights when it is built. Set requires_grad before "
                         "wrapping the model (or build a new Pipe)")
 
-    def _run_clocks(self, slots: torch.Tensor, layout: Layout, packing: Packing,
+    def _run_clocks(self, slots: torch.Tensor, layout: SlotLayout, packing: Packing,
                     constants: tuple[torch.Tensor, ...]) -> torch.Tensor:
         tables = column_tables(self.schedule, layout)
         reads, writes, from_ring = (torch.tensor(t, device=slots.device, dtype=slots.dtype)

@@ -15,6 +15,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -25,6 +26,7 @@ import torch.nn.functional as F
 import torch_xla
 
 import xpipe
+import xpipe.checkpoints.group
 from checkpoint_checks import assert_chunks_tile_every_tensor
 from equivalence import assert_loads_exactly
 from xpipe.models import mlp_stack
@@ -67,6 +69,37 @@ def save_as_one_of_two_processes(folder: str, rank: str, port: str) -> None:
     dist.destroy_process_group()
 
 
+def misuse_as_one_of_two_processes(folder: str, rank: str, port: str) -> None:
+    """One process's part in two saves the processes do not agree on: a path per rank
+    (as ``torch.save`` is often called under DDP), then a save only process 0 calls."""
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=int(rank), world_size=2)
+    try:
+        xpipe.save(Path(folder) / f"ckpt-{rank}", model())
+    except ValueError as error:
+        print("refused:", error)
+    xpipe.checkpoints.group.JOIN_SECONDS = 3.0
+    if rank == "0":
+        try:
+            xpipe.save(Path(folder) / "alone", model())
+        except RuntimeError as error:
+            print("alone:", error)
+    else:
+        time.sleep(5.0)  # while process 0 waits for a save this process never calls
+
+
+def run_two_processes(function: str, folder: Path) -> list[str]:
+    """``function(folder, rank, port)`` of this module in two processes joined by gloo; their outputs."""
+    code = (f"import sys; sys.path[:0] = [{str(TESTS)!r}]; from test_checkpoint_hosts import "
+            f"{function} as run; run(*sys.argv[1:])")
+    environment = dict(os.environ, GLOO_SOCKET_IFNAME="lo")
+    port = free_port()
+    workers = [subprocess.Popen([sys.executable, "-c", code, str(folder), str(rank), str(port)], env=environment,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for rank in (0, 1)]
+    outputs = [worker.communicate(timeout=600)[0] for worker in workers]
+    assert [worker.returncode for worker in workers] == [0, 0], "\n".join(output[-3000:] for output in outputs)
+    return outputs
+
+
 def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
@@ -74,14 +107,7 @@ def free_port() -> int:
 
 
 def test_two_processes_write_one_checkpoint_that_loads_into_the_plain_model(tmp_path):
-    port = free_port()
-    code = (f"import sys; sys.path[:0] = [{str(TESTS)!r}]; from test_checkpoint_hosts import "
-            "save_as_one_of_two_processes as save; save(*sys.argv[1:])")
-    environment = dict(os.environ, GLOO_SOCKET_IFNAME="lo")
-    workers = [subprocess.Popen([sys.executable, "-c", code, str(tmp_path), str(rank), str(port)], env=environment,
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for rank in (0, 1)]
-    outputs = [worker.communicate(timeout=600)[0] for worker in workers]
-    assert [worker.returncode for worker in workers] == [0, 0], "\n".join(output[-3000:] for output in outputs)
+    run_two_processes("save_as_one_of_two_processes", tmp_path)
 
     checkpoint = tmp_path / "ckpt"
     assert sorted(path.name for path in tmp_path.iterdir()) == ["ckpt", "plain", "weights.pt"], "no staging left"
@@ -98,3 +124,18 @@ def test_two_processes_write_one_checkpoint_that_loads_into_the_plain_model(tmp_
     assert_loads_exactly(checkpoint, torch.load(tmp_path / "weights.pt"), (plain, plain_optimizer))
     assert all(plain_optimizer.state[p]["step"] == 1 and plain_optimizer.state[p]["exp_avg"].any()
                for p in plain.parameters()), "AdamW's state of every parameter"
+
+
+def test_a_path_per_process_and_a_save_one_process_skips_are_refused_naming_them(tmp_path):
+    """Each process once reported success for ``ckpt-{rank}`` while process 1's shards
+    went into ``ckpt-0``; a save that process 1 never called waited for gloo's timeout
+    and named no cause."""
+    outputs = run_two_processes("misuse_as_one_of_two_processes", tmp_path)
+    paths = f"process 0: '{tmp_path / 'ckpt-0'}', process 1: '{tmp_path / 'ckpt-1'}'"
+    for output in outputs:
+        assert (f"refused: path: the 2 processes of this run share one checkpoint, at one path, but xpipe.save was "
+                f"given different ones ({paths})") in output, output[-3000:]
+    assert list(tmp_path.iterdir()) == [], "nothing written, no staging left"
+    assert "alone: xpipe.save: not every one of the 2 processes of this run called it within 3 s (" in outputs[0], \
+        outputs[0][-3000:]
+    assert "Ranks 1 failed to pass monitoredBarrier" in outputs[0], "gloo's reason names process 1"

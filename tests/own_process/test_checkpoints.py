@@ -8,6 +8,7 @@ resumed losses and weights within 1e-6 relative of the uninterrupted run.
 
 import copy
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -18,7 +19,7 @@ import torch_xla
 import xpipe
 import xpipe.checkpoints.group
 from xpipe import checkpoints
-from xpipe.checkpoints import saving
+from xpipe.checkpoints import loading, saving
 from equivalence import assert_loads_exactly, step_losses
 from fresh_process import call_in_fresh_process
 from xpipe.models import mlp_stack, resnet_like, small_cnn
@@ -145,6 +146,22 @@ def test_damaged_or_foreign_checkpoints_are_refused_and_change_nothing(tmp_path,
         xpipe.load(tmp_path / "other", other, torch.optim.SGD(other.parameters(), lr=0.1))
     with pytest.raises(ValueError, match="manifest.json' does not exist"):
         xpipe.load(tmp_path / "nowhere", pipe)
+
+    vanishing = tmp_path / "vanishing"  # a file gone after the checks (another job cleaning up): DCP's
+    _copy(tmp_path / "ckpt", vanishing)  # BaseException becomes an Exception that names the file
+    checked_manifest = loading.checked_manifest
+
+    def checked_then_removed(path):
+        manifest = checked_manifest(path)
+        (path / data_file.name).unlink()
+        return manifest
+
+    monkeypatch.setattr(loading, "checked_manifest", checked_then_removed)
+    with pytest.raises(RuntimeError, match=rf"xpipe.load: DCP failed on the checkpoint '.*vanishing': process 0: "
+                                           rf"FileNotFoundError: .*vanishing/{data_file.name}"):
+        xpipe.load(vanishing, pipe, optimizer)
+    monkeypatch.undo()
+    shutil.rmtree(vanishing)
 
     def fails_midway(*args, **kwargs):
         raise OSError("disk full")

@@ -21,8 +21,9 @@ import torch_xla.core.xla_model as xm
 from torch import nn
 
 from xpipe.checkpoints.files import TRAINING, checked_manifest
+from xpipe.checkpoints.group import SaveGroup
 from xpipe.checkpoints.pieces import PieceLoadPlanner, Pieces
-from xpipe.checkpoints.saving import optimizer_kind, quiet_dcp, run_pending, wait_for_background_saves
+from xpipe.checkpoints.saving import dcp_call, optimizer_kind, run_pending, wait_for_background_saves
 from xpipe.checkpoints.shards import shard_like
 from xpipe.checkpoints.state import CheckpointState, named_slices, state_of
 
@@ -41,6 +42,8 @@ def load(path: str | os.PathLike, pipe: nn.Module,
             when ``optimizer`` is given; nothing is changed then.
     """
     path = Path(path)
+    group = SaveGroup.of_process_group()
+    group.joined("xpipe.load", path)
     wait_for_background_saves()
     run_pending(pipe)
     manifest = checked_manifest(path)
@@ -52,8 +55,8 @@ def load(path: str | os.PathLike, pipe: nn.Module,
     if optimizer is not None:
         tensors["optimizer"], optimizer_state = _optimizer_destinations(model, optimizer, manifest,
                                                                          training["param_groups"], path)
-    with quiet_dcp():
-        dcp.load(tensors, checkpoint_id=path, planner=PieceLoadPlanner(), no_dist=_single_process())
+    with dcp_call("xpipe.load", path):
+        dcp.load(tensors, checkpoint_id=path, planner=PieceLoadPlanner(), no_dist=group.alone)
     if optimizer is not None:  # first: it is the part that can still refuse, and then nothing has changed
         _load_optimizer_or_change_nothing(optimizer, optimizer_state(), path)
     put_model_state()
@@ -66,11 +69,6 @@ def load_plain(path: str | os.PathLike, module: nn.Module,
     """Load a checkpoint into the plain (unpipelined) ``module`` and its optimizer:
     :func:`load` for any ``nn.Module``, whose parameters are named as the Pipe's were."""
     return load(path, module, optimizer)
-
-
-def _single_process() -> bool:
-    """No process group: DCP writes and reads the whole state from this process."""
-    return not (torch.distributed.is_available() and torch.distributed.is_initialized())
 
 
 def _check_matches(path: Path, manifest: dict[str, Any], expected: dict[str, torch.Tensor],

@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 import torch_xla
 import torch_xla.core.xla_model as xm
 from torch import nn
@@ -68,6 +69,7 @@ def save(path: str | os.PathLike, pipe: nn.Module, optimizer: torch.optim.Optimi
     if background and not group.alone:
         raise ValueError(f"background: a save from {group.size} processes is written blocking (a background "
                          "one, written by a thread on each host, is not built): pass background=False")
+    group.joined("xpipe.save", path)
     group.on_every_process(lambda: check_replaceable(path))
     _pickled(extra)  # refused before any device work
     run_pending(pipe)
@@ -135,7 +137,7 @@ def _write(path: Path, tensors: dict[str, Any], training: bytes, layout: dict[st
     try:
         group.on_every_process(lambda: check_shared(staging))
         writer = StreamingFileWriter(staging)
-        with quiet_dcp():
+        with dcp_call("xpipe.save", path):
             # Shards reach the host as their chunks are written, tensor after tensor.
             dcp.save(tensors, storage_writer=writer, planner=PieceSavePlanner(), no_dist=group.alone)
         hashes = group.on_every_process(lambda: {name: checksum(staging / name) for name in writer.files})
@@ -184,13 +186,21 @@ def wait_for_background_saves() -> None:
 
 
 @contextlib.contextmanager
-def quiet_dcp() -> Iterator[None]:
-    """Without the warning DCP gives for every single-process save and load."""
+def dcp_call(action: str, path: Path) -> Iterator[None]:
+    """A call into DCP: without the warning it gives for every single-process save
+    and load, and with its ``CheckpointException`` (a ``BaseException``, which
+    ``except Exception`` lets through, listing ranks but no file) raised as a
+    ``RuntimeError`` that names ``path`` and each process's first error."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         # DCP's writer asks each shard's piece for its storage (to copy a view of a larger one).
         warnings.filterwarnings("ignore", message="TypedStorage is deprecated")
-        yield
+        try:
+            yield
+        except CheckpointException as error:
+            failures = "; ".join(f"process {rank}: {type(failure).__name__}: {failure}"
+                                 for rank, (failure, _) in sorted(error.failures.items()))
+            raise RuntimeError(f"{action}: DCP failed on the checkpoint {str(path)!r}: {failures}") from error
 
 
 

@@ -32,7 +32,7 @@ from xpipe.schedule import Schedule, by_name, check_ring_chunks
 from xpipe.spmd.executor import SCHEDULES as SPMD_SCHEDULES
 from xpipe.spmd.executor import SpmdPipeline, padded_chunks
 from xpipe.spmd.stacking import StackedModel, cut_for_stacking
-from xpipe.tensor_rules import check_head_counts, tensor_dims
+from xpipe.tensor_rules import check_convolutions, check_head_counts, tensor_dims
 
 EXECUTORS = ("auto", "spmd", "devices")
 
@@ -142,6 +142,7 @@ def build_spmd(capture: ModelCapture, options: Options) -> Built:
     partition = spmd_partition(whole, spread(len(stacked.blocks), stages * options.virtual), options.balance)
     named = list(stacked.blocks[0].named_parameters())
     dims = tensor_dims([n for n, _ in named], [p.shape for _, p in named], tensor, options.tensor_rules)
+    check_convolutions(stacked.blocks[0], dict(zip([n for n, _ in named], dims)))
     mesh = options.mesh if options.mesh is not None else make_mesh(stages)  # the process enters SPMD mode here
     device = spmd_device()
     rebind(module, move_keeping_ties([stacked.pre, stacked.post], device))

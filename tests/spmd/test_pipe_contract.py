@@ -19,7 +19,7 @@ from torch import nn
 import xpipe
 from equivalence import assert_pipe_matches, train_steps
 from pipe_checks import ATOL, RTOL, batch_for, loss_of, tiny_lm, tiny_mlp
-from xpipe.models import MLPBlock
+from xpipe.models import MLPBlock, ResidualBlock
 
 
 @pytest.fixture(scope="module")
@@ -133,6 +133,20 @@ def test_dropout_in_the_body_drops_at_its_rate_with_a_new_mask_per_row(mesh, fsd
     rate = 1 - survived.float().mean().item() ** (1 / blocks)
     assert abs(rate - p) < 0.01, f"measured dropout rate {rate:.4f}, expected {p} (over {rows * width} elements)"
     assert len({tuple(row.tolist()) for row in survived}) == rows, "every row has a mask of its own"
+
+
+def test_convolution_weights_split_over_tensor_are_refused_before_they_abort_xla():
+    """XLA's SPMD partitioner aborted the process (convolution_handler.cc, SIGABRT) on
+    residual conv blocks split this way; kept whole, the same blocks build on the mesh."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), *(ResidualBlock(16, 16) for _ in range(4)),
+                          nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 10))
+    mesh = xpipe.make_mesh(2, fsdp=2, tensor=2)
+    with pytest.raises(ValueError, match=r"tensor_rules: the convolution weights \['1.conv1.weight', "
+                                         r"'1.conv2.weight'\] would be split over 'tensor'"):
+        xpipe.Pipe(copy.deepcopy(model), chunks=2, mesh=mesh, tensor_rules={"*conv*.weight": 1, "*norm*": None})
+    pipe = xpipe.Pipe(model, chunks=2, mesh=mesh, tensor_rules={"*conv*.weight": None, "*norm*": None})
+    assert pipe.executor == "spmd"
 
 
 def test_recomputed_and_kept_microbatches_get_the_same_masks(mesh):

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import atexit
 import importlib.util
+import threading
+import time
 import weakref
 from collections.abc import Collection
 from typing import Any
@@ -268,9 +271,57 @@ def launch_device(device: torch.device) -> None:
     _xlac()._xla_step_marker(str(device), [], wait=False)
 
 
+class _PendingCallbacks:
+    """The ``on_ready`` callbacks registered and not yet run, waited for at exit.
+
+    torch_xla's exit hook waits for the devices' pending work while holding the GIL;
+    a callback still to run when that work finishes needs the GIL on an XLA worker
+    thread, which then never finishes the work: the process hung at exit (about 1
+    run in 10 of a script whose last step used the devices executor, every time with
+    a long computation still running). Exit hooks run last-registered first, and
+    this one is registered after torch_xla's (which ``import torch_xla`` makes), so
+    the callbacks run, the GIL let go between polls, before torch_xla's hook waits.
+    """
+
+    WAIT_SECONDS = 120.0  # at most, then exit goes on (a device that never finishes)
+
+    def __init__(self) -> None:
+        self.count = 0
+        self._lock = threading.Lock()
+        self._registered = False
+
+    def wrapped(self, callback: Any) -> Any:
+        with self._lock:
+            self.count += 1
+            if not self._registered:
+                atexit.register(self.wait)
+                self._registered = True
+
+        def run() -> None:
+            try:
+                callback()
+            finally:
+                with self._lock:
+                    self.count -= 1
+
+        return run
+
+    def wait(self) -> None:
+        deadline = time.monotonic() + self.WAIT_SECONDS
+        while self.count and time.monotonic() < deadline:
+            time.sleep(0.001)
+        # The XLA thread takes the GIL once more after a callback returns, to drop its
+        # reference to it (pybind11's function wrapper): give it that moment too.
+        time.sleep(0.05)
+
+
+_pending_callbacks = _PendingCallbacks()
+
+
 def on_ready(tensor: torch.Tensor, callback: Any) -> None:
-    """Call ``callback()`` once ``tensor``'s device buffer is ready."""
-    _xlac()._on_ready_callback(tensor, callback)
+    """Call ``callback()`` once ``tensor``'s device buffer is ready (on an XLA thread);
+    the process waits for it before it exits (:class:`_PendingCallbacks`)."""
+    _xlac()._on_ready_callback(tensor, _pending_callbacks.wrapped(callback))
 
 
 def runtime_started() -> bool:

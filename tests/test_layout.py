@@ -45,6 +45,23 @@ def test_the_memory_model_on_a_literal_example():
     assert replicated.parameters == (4 * 1024 + 128 * 32) * 4
 
 
+@pytest.mark.parametrize("arguments, refusal", [
+    (dict(stacked=[(16, 24)]), r"stacked: each stacked body weight is \[stages, slots, numel\] = \[2, V \* K, "
+                               r"numel\] on this mesh, got \[\[16, 24\]\]; pass each block parameter as"),
+    (dict(stacked=[(4, 4, 1024)]), r"stacked: .* got \[\[4, 4, 1024\]\]"),
+    (dict(outer=[(128, 0)]), r"outer: each shape is a sequence of positive ints, got \(128, 0\)"),
+    (dict(axes=(2, 4)), r"axes: expected a xpipe.layout.MeshAxes, got tuple"),
+    (dict(split=[True, False]), r"split: one True or False per stacked weight \(at most 1\)"),
+    (dict(itemsize=0), r"itemsize: must be a positive integer, got 0"),
+    (dict(optimizer_states=-1), r"optimizer_states: the tensors the optimizer keeps per weight, a whole number >= 0"),
+    (dict(optimizer_itemsize=2.5), r"optimizer_itemsize: must be a positive integer, got 2.5"),
+])
+def test_the_memory_model_refuses_arguments_it_cannot_count(arguments, refusal):
+    """A block's own shapes where stacked ones belong were counted (2256 bytes for 576)."""
+    with pytest.raises(ValueError, match=refusal):
+        per_device(**{**dict(stacked=[(2, 4, 1024)], outer=[(128, 32)], axes=FSDP), **arguments})
+
+
 def test_mesh_sizes_that_do_not_fill_the_devices_are_refused_with_the_sizes_that_do():
     assert mesh_axes(2, fsdp=4) == MeshAxes(stage=2, data=1, fsdp=4)
     assert mesh_axes(2, 2, fsdp=2).devices == 8

@@ -16,6 +16,7 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from xpipe._checks import check_optimizer_states, check_positive_int
 from xpipe.layout import MeshAxes, outer_spec, shard_numel, stacked_spec
 
 
@@ -54,16 +55,19 @@ def per_device(*, stacked: Iterable[tuple[int, ...]], outer: Iterable[tuple[int,
         optimizer_states: tensors shaped like a weight that the optimizer keeps for
             it (AdamW and Adam 2, SGD with momentum 1, plain SGD 0).
         optimizer_itemsize: bytes per element of that state; ``itemsize`` by default.
+
+    Raises:
+        ValueError: naming the argument that is not what it should be (a stacked
+            shape other than ``[axes.stage, slots, numel]``, a block's own shape
+            among them, for one).
     """
-    stacked, outer = list(stacked), list(outer)
+    stacked, outer, split = _checked(stacked, outer, axes, split, itemsize, optimizer_states, optimizer_itemsize)
     body = sum(shard_numel(shape, stacked_spec(axes), axes) for shape in stacked)
     around = sum(shard_numel(shape, outer_spec(shape, axes), axes) for shape in outer)
     parameters = (body + around) * itemsize
     # The step's gathered copies: one stage's slice of the body (a tensor device's
     # share of it where "tensor" splits a weight) and the outer layers whole (already
     # whole at rest without fsdp or tensor), each with a gradient of its size.
-    split = list(split)
-    split += [False] * (len(stacked) - len(split))
     stage_body = sum(shard_numel(shape, ("stage", None, "tensor" if cut else None), axes)
                      for shape, cut in zip(stacked, split))
     whole_outer = sum(math.prod(shape) for shape in outer) if axes.sharding else 0
@@ -71,3 +75,36 @@ def per_device(*, stacked: Iterable[tuple[int, ...]], outer: Iterable[tuple[int,
     state_itemsize = itemsize if optimizer_itemsize is None else optimizer_itemsize
     return DeviceMemory(parameters, parameters, (body + around) * optimizer_states * state_itemsize, gathered)
 
+
+
+def _checked(stacked: Iterable[tuple[int, ...]], outer: Iterable[tuple[int, ...]], axes: MeshAxes,
+             split: Iterable[bool], itemsize: int, optimizer_states: int, optimizer_itemsize: int | None
+             ) -> tuple[list[tuple[int, ...]], list[tuple[int, ...]], list[bool]]:
+    """:func:`per_device`'s arguments checked: the shapes as lists of tuples, ``split``
+    filled up with False to one entry per stacked weight."""
+    if not isinstance(axes, MeshAxes):
+        raise ValueError(f"axes: expected a xpipe.layout.MeshAxes, got {type(axes).__name__}")
+    stacked, outer = [_shape(shape, "stacked") for shape in stacked], [_shape(shape, "outer") for shape in outer]
+    wrong = [list(shape) for shape in stacked if len(shape) != 3 or shape[0] != axes.stage]
+    if wrong:
+        raise ValueError(f"stacked: each stacked body weight is [stages, slots, numel] = [{axes.stage}, V * K, "
+                         f"numel] on this mesh, got {wrong[:3]}; pass each block parameter as the executor "
+                         "stacks it (stages, blocks per stage, the parameter's numel), not a block's own shapes")
+    split = list(split)
+    if len(split) > len(stacked) or not all(isinstance(cut, bool) for cut in split):
+        raise ValueError(f"split: one True or False per stacked weight (at most {len(stacked)}), got {split!r}")
+    check_positive_int(itemsize, "itemsize")
+    check_optimizer_states(optimizer_states)
+    if optimizer_itemsize is not None:
+        check_positive_int(optimizer_itemsize, "optimizer_itemsize")
+    return stacked, outer, split + [False] * (len(stacked) - len(split))
+
+
+def _shape(shape: object, name: str) -> tuple[int, ...]:
+    try:
+        dims = tuple(shape)
+    except TypeError:
+        dims = None
+    if dims is None or not dims or any(isinstance(d, bool) or not isinstance(d, int) or d < 1 for d in dims):
+        raise ValueError(f"{name}: each shape is a sequence of positive ints, got {shape!r}")
+    return dims

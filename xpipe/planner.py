@@ -22,7 +22,7 @@ from typing import Any
 
 from torch import nn
 
-from xpipe._checks import check_positive_int
+from xpipe._checks import check_optimizer_states, check_positive_int
 from xpipe.recompute import MODES, kept_cells
 from xpipe.layout import MeshAxes, microbatch_slots, spread
 from xpipe.memory import per_device
@@ -187,7 +187,7 @@ def plan(model: nn.Module | ModelProfile | Any, *, devices: int, batch: int, chi
     chip = preset(chip) if isinstance(chip, str) else chip
     capacity = chip.memory if memory_per_device is None else memory_per_device
     _check(devices=devices, batch=batch, capacity=capacity, slices=slices, max_tensor=max_tensor)
-    _check_optimizer_states(optimizer_states)
+    check_optimizer_states(optimizer_states)
     profile = _profile(model, sample_input, seq)
     itemsize = profile.itemsize if itemsize is None else itemsize
     if itemsize not in (1, 2, 4, 8):
@@ -226,12 +226,6 @@ def _check(*, devices: int, batch: int, capacity: int, slices: int, max_tensor: 
         check_positive_int(value, name)
     if devices % slices:
         raise ValueError(f"slices: {slices} slices do not divide the {devices} devices")
-
-
-def _check_optimizer_states(optimizer_states: int) -> None:
-    if isinstance(optimizer_states, bool) or not isinstance(optimizer_states, int) or optimizer_states < 0:
-        raise ValueError(f"optimizer_states: the tensors the optimizer keeps per weight, a whole number >= 0 "
-                         f"(AdamW 2, SGD with momentum 1, plain SGD 0), got {optimizer_states!r}")
 
 
 def layouts(profile: ModelProfile, devices: int, batch: int, checkpoints: tuple[str, ...] = ("except_last",),
@@ -275,7 +269,7 @@ def predict(profile: ModelProfile, layout: Layout, *, chip: Chip, batch: int, ca
             itemsize: int | None = None, optimizer_states: int = 2, tensor_rules: Rules | None = None,
             slices: int = 1) -> Prediction:
     """One layout's bytes per device, bubble, communication and step time (see :func:`plan`)."""
-    _check_optimizer_states(optimizer_states)
+    check_optimizer_states(optimizer_states)
     itemsize = profile.itemsize if itemsize is None else itemsize
     profile = profile.scaled(itemsize)
     axes = layout.axes

@@ -73,6 +73,7 @@ class Pipe(nn.Module):
             ``"sum"``) and ``ignore_index`` attributes say how the devices executor
             weighs the microbatches' losses (:mod:`xpipe.reduction`); a function
             without them is taken to mean over rows, checked on its first step
+            and on the first batch whose ignored (-100) targets tell the two apart
             (declare them for a loss that ignores targets: see docs/api.md).
         checkpoint: ``"always"``, ``"except_last"`` or ``"never"``: which
             microbatches recompute their stage activations in the backward pass.

@@ -39,6 +39,20 @@ def declares_reduction(loss_fn: Callable[..., Any]) -> bool:
     return hasattr(loss_fn, "reduction") or loss_fn in _IGNORING_FUNCTIONS or loss_fn in _ELEMENTWISE_FUNCTIONS
 
 
+def tells_reductions_apart(targets: list[Any]) -> bool:
+    """Whether the microbatches' ``targets`` (on the host) weigh differently counted by
+    rows and counted by the targets that are not ``IGNORE_INDEX``: the batches on which
+    a loss that says nothing of how it reduces can be told apart from one that ignores
+    -100 (the default of torch's losses and of Hugging Face labels). Float targets
+    ignore nothing, so any batch of them tells it."""
+    firsts = [tree_flatten(target)[0][0] for target in targets]
+    if firsts[0].is_floating_point():
+        return True
+    counted = [int((first != IGNORE_INDEX).sum()) for first in firsts]
+    row_counts = [rows(target) for target in targets]
+    return any(count * sum(row_counts) != sum(counted) * row_count for count, row_count in zip(counted, row_counts))
+
+
 def loss_fn_items(loss_fn: Callable[..., Any], target: Any) -> Items | None:
     """The items ``loss_fn(output, target)`` averages over, or None for a loss that
     sums (each microbatch's loss then counts whole).

@@ -161,6 +161,29 @@ def test_a_loss_function_that_does_not_say_it_sums_is_caught_on_its_first_step()
     assert len(meaning.runner.checked_losses) == 1
 
 
+def test_an_undeclared_loss_is_checked_again_on_the_first_batch_that_tells_it_apart():
+    """A plain function around a loss that ignores -100, first on batches without
+    padding (where counting rows is right), then on an unevenly padded one: that step
+    was weighted by rows (a gradient 18% off, no error); now it is checked and refused,
+    every gradient left as it was. A loss that passes on such a batch is settled."""
+    ignoring = torch.nn.CrossEntropyLoss(ignore_index=-100)
+    pipe = xpipe.Pipe(mlp_stack(blocks=4, width=16, inputs=8, outputs=10), chunks=4, stages=2, executor="devices",
+                      loss_fn=lambda output, t: ignoring(output, t))
+    batch = torch.randn(16, 8)
+    for _ in range(2):
+        pipe.step(batch, labels(16))
+    before = {p: p.grad.clone() for p in pipe.parameters()}
+    with pytest.raises(ValueError, match=r"loss_fn: on the whole batch it gives .* it does not mean over rows \(it "
+                                         r"sums, or ignores some targets\)"):
+        pipe.step(batch, ignored_unevenly(16))
+    assert all(torch.equal(p.grad.cpu(), grad.cpu()) for p, grad in before.items())
+    rows_mean = xpipe.Pipe(mlp_stack(blocks=4, width=16, inputs=8, outputs=10), chunks=4, stages=2,
+                           executor="devices", loss_fn=lambda output, t: F.mse_loss(output, t))
+    for _ in range(2):
+        rows_mean.step(batch, torch.randn(16, 10))
+    assert rows_mean.runner.settled_losses == rows_mean.runner.checked_losses, "float targets settle it at once"
+
+
 def test_inputs_that_require_grad_get_their_gradient():
     model = small_cnn()
     batch = torch.randn(8, 3, 32, 32)

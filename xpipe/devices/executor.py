@@ -43,13 +43,13 @@ from xpipe._batch import rows
 from xpipe._batchnorm import RunningStatistics
 from xpipe._xla import launch_device, on_ready
 from xpipe.devices.loss import StepLoss, restore_grads, saved_grads
-from xpipe.devices.microbatch import keyed_leaves, launch, microbatches_of
+from xpipe.devices.microbatch import keyed_leaves, launch, microbatches_of, on_host
 from xpipe.devices.stages import StagedModel
 from xpipe.devices.state import ModuleState
 from xpipe.devices.step import PipelineFunction, Step
 from xpipe.devices.ties import TiedCopies
 from xpipe.recompute import kept_cells
-from xpipe.reduction import declares_reduction
+from xpipe.reduction import declares_reduction, tells_reductions_apart
 from xpipe.schedule import BACKWARD, FORWARD, Action, Schedule, by_name
 
 
@@ -133,7 +133,8 @@ class DevicesPipeline(nn.Module):
         self.peak_held_bytes = [0] * len(devices)
         self._held_bytes = [0] * len(devices)
         self._flush_pending = False
-        self.checked_losses: list[Callable] = []  # loss_fns whose reduction a first step confirmed
+        self.checked_losses: list[Callable] = []  # undeclared loss_fns a step confirmed to mean over rows
+        self.settled_losses: list[Callable] = []  # those confirmed on a batch that tells the reductions apart
         self.state = ModuleState(module)  # out of the module tree: its parameters are the stages' own
 
     @property
@@ -211,7 +212,9 @@ class DevicesPipeline(nn.Module):
         wanted = [(key, x) for key, x in keyed_leaves(self.staged.inputs, inputs)
                   if isinstance(x, torch.Tensor) and x.requires_grad]
         step = Step(self, cells, split, microbatch_dim, differentiating=True, input_grads=[key for key, _ in wanted])
-        check = loss_fn not in self.checked_losses and not declares_reduction(loss_fn)
+        telling = not declares_reduction(loss_fn) and tells_reductions_apart(on_host(targets))
+        check = not declares_reduction(loss_fn) and loss_fn not in self.settled_losses and (
+            telling or loss_fn not in self.checked_losses)
         step.loss = StepLoss(loss_fn, targets, self.stage_devices[-1], check)
         grads_before = saved_grads([*self.state.module.parameters(), *(x for _, x in wanted)]) if check else {}
         with _guard_failures_explained():
@@ -222,6 +225,8 @@ class DevicesPipeline(nn.Module):
             try:
                 if step.loss.check_reduction(microbatch_dim, step.scalar_shares):
                     self.checked_losses.append(loss_fn)
+                    if telling:
+                        self.settled_losses.append(loss_fn)
             except ValueError:
                 restore_grads(grads_before)  # a refused step leaves every gradient as it was
                 raise

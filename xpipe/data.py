@@ -19,6 +19,14 @@ batch is assembled from the hosts' shares as it is transferred (:mod:`xpipe.host
 
 Errors in the wrapped loader reach the training loop with their own traceback,
 and the loader's threads stop when iteration ends, fails, or is abandoned.
+
+Being subclasses, these loaders read state torch_xla 2.9's loaders keep under
+private names, and nothing else of theirs: ``ParallelLoader._devices``,
+``._input_sharding`` and ``._threads``; ``MpDeviceLoader._loader``, ``._device``,
+``._parallel_loader`` and ``._parallel_loader_kwargs``; ``PerDeviceLoader._loader``.
+A torch_xla that renames them breaks ``tests/test_data.py`` and
+``tests/spmd/test_loader.py``. Calls into torch_xla's private API live in
+:mod:`xpipe._xla`.
 """
 
 from __future__ import annotations

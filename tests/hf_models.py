@@ -2,8 +2,9 @@
 configs with random weights (nothing is downloaded)."""
 
 import torch
-from transformers import (BertConfig, BertForMaskedLM, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM,
-                          MixtralConfig, MixtralForCausalLM, T5Config, T5ForConditionalGeneration)
+from transformers import (BertConfig, BertForMaskedLM, FalconConfig, FalconForCausalLM, GPT2Config, GPT2LMHeadModel,
+                          LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM, T5Config,
+                          T5ForConditionalGeneration)
 
 
 def llama(layers: int = 4, heads: int = 4, kv_heads: int = 2) -> LlamaForCausalLM:
@@ -48,6 +49,14 @@ def t5(layers: int = 3) -> T5ForConditionalGeneration:
     return T5ForConditionalGeneration(T5Config(
         vocab_size=128, d_model=32, d_kv=8, d_ff=64, num_layers=layers, num_heads=4, dropout_rate=0.0,
         decoder_start_token_id=0, pad_token_id=0, use_cache=False))
+
+
+def falcon(layers: int = 4) -> FalconForCausalLM:
+    """Falcon as configured by default (multi-query attention, rotary): torch.export
+    lifts the index lists of its attention (``qkv[..., [-2]]``) as constants of every block."""
+    torch.manual_seed(0)
+    return FalconForCausalLM(FalconConfig(vocab_size=128, hidden_size=32, num_hidden_layers=layers,
+                                          num_attention_heads=4, use_cache=False))
 
 
 def tokens(rows: int = 2, seq: int = 8) -> torch.Tensor:

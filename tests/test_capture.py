@@ -108,3 +108,37 @@ def test_an_encoder_decoder_without_its_decoder_input_is_told_what_to_add():
     with pytest.raises(ValueError, match=r"an encoder-decoder model also needs its decoder's input: put labels= or "
                                          r"decoder_input_ids= in sample_input"):
         trace_layers(t5(), {"input_ids": tokens(2, 8)})
+
+
+class ScaledBlock(nn.Module):
+    """A linear layer times a buffer: persistent (part of the model's state) or not."""
+
+    def __init__(self, scale: float, persistent: bool) -> None:
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+        self.register_buffer("scale", torch.tensor([scale]), persistent=persistent)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x) * self.scale
+
+
+@pytest.mark.parametrize("scales, persistent, refusal", [
+    ((2.0, 2.0, 2.0, 2.0), True, r"module: block 0 has buffers in the model's state \(\['1.scale'\], saved by "
+                                 r"state_dict\); .* use executor='devices'"),
+    ((2.0, 2.0, 3.0, 2.0), False, r"module: block 2's constant tensors \['3.scale'\] differ from block 0's; the "
+                                  r"stacked body runs every block with block 0's constants"),
+])
+def test_blocks_stack_with_buffers_only_where_block_0s_stand_for_every_blocks(scales, persistent, refusal):
+    """Falcon's blocks hold constants of their own (equal in every block) and now stack;
+    a buffer in the model's state, or one that differs between blocks, is refused by name."""
+    from xpipe.build import ModelCapture
+
+    def model(scales):
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(4, 8), *(ScaledBlock(s, persistent) for s in scales), nn.Linear(8, 2))
+
+    with pytest.raises(ValueError, match=refusal):
+        ModelCapture(model(scales), None).stacked()
+    if not persistent:
+        stacked = ModelCapture(model((2.0,) * 4), None).stacked()
+        assert [float(b) for block in stacked.blocks for b in block.buffers()] == [2.0] * 4

@@ -95,6 +95,7 @@ class SpmdPipeline(nn.Module):
         self.per_stage = spread(self.block_count, self.stages * self.virtual)  # per model stage
         self.depth = max(self.per_stage)  # K: block slots per model stage
         self._template = [stacked.blocks[0]]  # kept out of the module tree: its weights are not ours
+        self._block_constants = dict(stacked.blocks[0].named_buffers())  # equal in every block (stacking)
         self._block_parameters = [list(block.named_parameters()) for block in stacked.blocks]
         self._frozen = [[not p.requires_grad for _, p in named] for named in self._block_parameters]
         self.body = StackedWeights.from_blocks(stacked.blocks, self._slots(), self.virtual * self.depth, device,
@@ -176,6 +177,7 @@ class SpmdPipeline(nn.Module):
         weights = tuple(self.placement.gathered_body(w, split=dim is not None)
                         for w, dim in zip(self.body.effective_weights(), self.body.dims))
         weights += tuple(self.placement.per_device(c) for c in constants)  # they ride along
+        weights += tuple(self.placement.per_device(_differentiable(c)) for c in self._block_constants.values())
         carry = (state, slots, valid, weights)
         plain_from = _first_kept_clock(self.schedule, self.checkpoint)
         ring = bool(tables.from_ring.any())
@@ -219,17 +221,19 @@ class SpmdPipeline(nn.Module):
         slots pass the stream through.
 
         ``x`` is ``[rows, F]``: the stream and the per-row side inputs, packed;
-        ``weights`` each block weight ``[V * K, numel]``, then the constant side inputs;
+        ``weights`` each block weight ``[V * K, numel]``, then the constant side inputs,
+        then the block's own constants (they ride along: scan takes no captured tensor);
         ``valid`` ``[V * K]``; ``round_`` the one-hot round ``[V]``; ``key`` the int32
         key of the cell (see :mod:`xpipe.spmd.dropout`).
         """
         stream, *per_row = packing.unpack(x)
         per_row, constants = iter(per_row), iter(weights[len(self.body.names):])
         sides = [next(per_row) if rows else next(constants) for rows in self.side_rows]
+        own_constants = {name: next(constants).to(c.dtype) for name, c in self._block_constants.items()}
         valid, *blocks = (self._of_round(w, round_) for w in (valid, *weights[:len(self.body.names)]))
         for slot in range(self.depth):
             params = {name: self.body.unstored(index, w[slot]) for index, (name, w) in
-                      enumerate(zip(self.body.names, blocks))}
+                      enumerate(zip(self.body.names, blocks))} | own_constants
             with ShardableOps(), hashed_dropout(key, slot):
                 y = functional_call(self._template[0], params, (stream, *sides))
             stream = torch.where(valid[slot] > 0, y, stream)
@@ -253,6 +257,13 @@ class SpmdPipeline(nn.Module):
 
 def _as_tuple(value) -> tuple:
     return value if isinstance(value, tuple) else (value,)
+
+
+def _differentiable(constant: torch.Tensor) -> torch.Tensor:
+    """``constant`` as a scan carry takes it: floating (scan makes a gradient for every
+    carry); an integer one (an index list torch.export lifted) as float32, exact for
+    the small values :func:`xpipe.spmd.stacking._check_alike` lets through."""
+    return constant if constant.is_floating_point() else constant.to(torch.float32)
 
 
 def _first_kept_clock(schedule: Schedule, checkpoint: str) -> int:

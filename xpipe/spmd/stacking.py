@@ -97,7 +97,7 @@ def cut_for_stacking(module: nn.Module, partition: Partition, sample_input: Any 
     ]
     post_nodes = [n for n in nodes if segment_of[n] == POST and n.op != "output"]
     post = extract_module(traced, [streams[-1], *skips], post_nodes, None, "Post", output=nodes[-1])
-    _check_alike(blocks)
+    _check_alike(blocks, module)
     for block in blocks:
         _vmappable(block)
     side_rows = _side_rows(pre, len(sides), sample_input) if sides else ()
@@ -270,10 +270,46 @@ def _as_tuple(value: Any) -> tuple:
     return value if isinstance(value, tuple) else (value,)
 
 
-def _check_alike(blocks: list[torch.fx.GraphModule]) -> None:
+def _check_alike(blocks: list[torch.fx.GraphModule], module: nn.Module) -> None:
+    """The blocks stack: the same parameter shapes, and buffers only where block 0's
+    can stand for every block's, as the stacked body runs them: constants the capture
+    made (torch.export turns ``qkv[..., [-2]]`` into one per block) or buffers outside
+    the model's state, equal in every block.
+
+    Raises:
+        ValueError: naming the parameters or buffers that keep the blocks apart.
+    """
     first = [(tuple(p.shape), p.dtype) for p in blocks[0].parameters()]
+    in_state = {id(tensor) for tensor in module.state_dict(keep_vars=True).values()}
+    constants = [buffer for _, buffer in blocks[0].named_buffers()]  # per block names differ (lifted_tensor_2, ...)
     for index, block in enumerate(blocks):
         if [(tuple(p.shape), p.dtype) for p in block.parameters()] != first:
             raise ValueError(f"module: block {index} has other parameter shapes than block 0; cannot stack them")
-        if list(block.buffers()):
-            raise ValueError(f"module: block {index} has buffers; the spmd executor stacks parameters only")
+        buffers = dict(block.named_buffers())
+        saved = [name for name, buffer in buffers.items() if id(buffer) in in_state]
+        if saved:
+            raise ValueError(f"module: block {index} has buffers in the model's state ({saved}, saved by "
+                             "state_dict); the spmd executor stacks a block's parameters, not its buffers: use "
+                             "executor='devices'")
+        differing = [name for position, (name, buffer) in enumerate(buffers.items())
+                     if position >= len(constants) or not _equal(buffer, constants[position])]
+        large = [name for name, buffer in buffers.items()
+                 if not buffer.is_floating_point() and buffer.numel() and int(buffer.abs().max()) >= 2**24]
+        if large:
+            raise ValueError(f"module: block {index}'s integer constants {large} hold values of 2**24 or more, "
+                             "which the stacked body cannot carry exactly: use executor='devices'")
+        if differing or len(buffers) != len(constants):
+            raise ValueError(f"module: block {index}'s constant tensors {differing} differ from block 0's; the "
+                             "stacked body runs every block with block 0's constants: use executor='devices'")
+
+
+def move_block_constants(block: torch.fx.GraphModule, device: torch.device) -> None:
+    """Put ``block``'s buffers (constants equal in every block: see :func:`_check_alike`)
+    on ``device``, where the stacked body reads them (replicated under SPMD)."""
+    for name, buffer in list(block.named_buffers()):
+        owner, _, attribute = name.rpartition(".")
+        block.get_submodule(owner).register_buffer(attribute, buffer.to(device), persistent=False)
+
+
+def _equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b)

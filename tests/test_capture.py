@@ -142,3 +142,39 @@ def test_blocks_stack_with_buffers_only_where_block_0s_stand_for_every_blocks(sc
     if not persistent:
         stacked = ModelCapture(model((2.0,) * 4), None).stacked()
         assert [float(b) for block in stacked.blocks for b in block.buffers()] == [2.0] * 4
+
+
+class AlternatingBlock(nn.Module):
+    """A linear layer plus one of two tensors the model computes before its blocks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+        return self.linear(x) + bias
+
+
+class Alternating(nn.Module):
+    """Blocks that alternate between two inputs, as Gemma 2's alternate between a
+    sliding-window and a global mask."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(AlternatingBlock() for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        near, far = x.tanh(), x.sigmoid()
+        for index, block in enumerate(self.blocks):
+            x = block(x, near if index % 2 == 0 else far)
+        return x
+
+
+def test_blocks_that_alternate_between_inputs_are_refused_naming_them():
+    """The message once advised passing only the hidden state, which a user of Gemma 2
+    cannot do; it now names the inputs and the executor that runs them."""
+    from xpipe.build import ModelCapture
+
+    with pytest.raises(ValueError, match=r"module: blocks of the repeated body read \['tanh', 'sigmoid'\], computed "
+                                         r"before the body, which not every block reads .* use executor='devices'"):
+        ModelCapture(Alternating(), None).stacked()

@@ -117,6 +117,14 @@ def _block_interface(nodes: list[torch.fx.Node], segment_of: dict,
         outputs_of.append([n for n in members if any(segment_of[user] != block for user in n.users)])
     sides = [u for u in inputs_of[0] if segment_of[u] == PRE and all(u in later for later in inputs_of[1:])]
     sides = sides if count > 1 else []
+    uneven = list(dict.fromkeys(u.name for inputs in inputs_of[1:] for u in inputs
+                                if segment_of[u] == PRE and u not in sides))  # block 0's stream is PRE's too
+    if uneven:
+        raise ValueError(
+            f"module: blocks of the repeated body read {uneven}, computed before the body, which not every "
+            "block reads (layers that alternate between masks, as Gemma 2's and Gemma 3's sliding-window and "
+            "global attention do, each read their own): the spmd executor runs every block alike, with the "
+            "same inputs; use executor='devices'")
     streams: list[torch.fx.Node] = []
     for block, (inputs, outputs) in enumerate(zip(inputs_of, outputs_of)):
         entering = [u for u in inputs if u not in sides]

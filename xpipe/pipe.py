@@ -176,11 +176,7 @@ class Pipe(nn.Module):
         if self.loss_fn is None:
             raise ValueError("loss_fn: pipe.step computes the loss inside the pipeline; build the Pipe with "
                              "loss_fn=... (e.g. torch.nn.CrossEntropyLoss()), or call pipe(x) and compute it yourself")
-        if isinstance(inputs, Mapping):
-            inputs, keyword_inputs = (), dict(inputs)
-        else:
-            inputs, keyword_inputs = (tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)), {}
-        inputs, microbatch_dim = self._prepared(inputs, keyword_inputs, microbatch_dim)
+        inputs, microbatch_dim = self._prepared(*_positional_and_keyword(inputs), microbatch_dim)
         _check_target(target, batch_size(inputs, self.chunks, microbatch_dim), self.chunks, microbatch_dim)
         if self.executor == "devices":
             return self.runner.step(inputs, target, self.loss_fn, microbatch_dim)
@@ -235,10 +231,7 @@ class Pipe(nn.Module):
         if strict and (missing or unexpected):
             raise RuntimeError(f"state_dict: missing keys {missing}, unexpected keys {unexpected}")
         targets = {key: self.runner.state.state_tensor(key) for key in state_dict if key in self._original_keys}
-        for key, target in targets.items():
-            if target.shape != state_dict[key].shape:
-                raise RuntimeError(f"state_dict: {key!r} has shape {list(state_dict[key].shape)}, "
-                                   f"expected {list(target.shape)}")
+        _check_shapes(state_dict, targets)
         shardings = kept_shardings([*self.parameters(), *self.buffers()])
         with torch.no_grad():
             for key, target in targets.items():
@@ -260,6 +253,22 @@ class Pipe(nn.Module):
     def named_gradients(self) -> dict[str, torch.Tensor | None]:
         """Gradients under the wrapped module's parameter names, the body unstacked."""
         return self.runner.state.named_gradients()
+
+
+def _positional_and_keyword(inputs: Any) -> tuple[tuple, dict[str, Any]]:
+    """What ``pipe.step`` was given as the model's inputs, as ``pipe(...)``'s positional
+    and keyword inputs: a dict is keywords, a tuple or list positional, else one input."""
+    if isinstance(inputs, Mapping):
+        return (), dict(inputs)
+    return (tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)), {}
+
+
+def _check_shapes(state_dict: Mapping[str, torch.Tensor], targets: dict[str, torch.Tensor]) -> None:
+    """Every tensor ``load_state_dict`` would copy has its target's shape."""
+    for key, target in targets.items():
+        if target.shape != state_dict[key].shape:
+            raise RuntimeError(f"state_dict: {key!r} has shape {list(state_dict[key].shape)}, "
+                               f"expected {list(target.shape)}")
 
 
 def _in_order(inputs: tuple, keyword_inputs: dict[str, Any], names: tuple[str, ...]) -> tuple:

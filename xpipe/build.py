@@ -31,7 +31,7 @@ from xpipe.partition import Partition, partition_captured, rebalanced, spmd_bala
 from xpipe.schedule import Schedule, by_name, check_ring_chunks
 from xpipe.spmd.executor import SCHEDULES as SPMD_SCHEDULES
 from xpipe.spmd.executor import SpmdPipeline, padded_chunks
-from xpipe.spmd.stacking import StackedModel, cut_for_stacking, move_block_constants
+from xpipe.spmd.stacking import StackedModel, cut_for_stacking
 from xpipe.tensor_rules import check_convolutions, check_head_counts, tensor_dims
 
 EXECUTORS = ("auto", "spmd", "devices")
@@ -148,7 +148,6 @@ def build_spmd(capture: ModelCapture, options: Options) -> Built:
     rebind(module, move_keeping_ties([stacked.pre, stacked.post], device))
     for piece in [stacked.pre, *stacked.blocks, stacked.post]:
         place_constants_on(piece, device)
-    move_block_constants(stacked.blocks[0], device)  # the template every block runs as
     runner = SpmdPipeline(stacked, mesh, schedule, options.chunks, options.checkpoint, device, tie_groups(module),
                           dims)
     retire(module, [p for block in stacked.blocks for p in block.parameters()])

@@ -76,7 +76,6 @@ def per_device(*, stacked: Iterable[tuple[int, ...]], outer: Iterable[tuple[int,
     return DeviceMemory(parameters, parameters, (body + around) * optimizer_states * state_itemsize, gathered)
 
 
-
 def _checked(stacked: Iterable[tuple[int, ...]], outer: Iterable[tuple[int, ...]], axes: MeshAxes,
              split: Iterable[bool], itemsize: int, optimizer_states: int, optimizer_itemsize: int | None
              ) -> tuple[list[tuple[int, ...]], list[tuple[int, ...]], list[bool]]:

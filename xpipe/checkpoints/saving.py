@@ -28,10 +28,10 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.api import CheckpointException
 import torch_xla
 import torch_xla.core.xla_model as xm
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 
 from xpipe.checkpoints.files import (FORMAT, MANIFEST, TRAINING, check_replaceable, check_shared, checksum, fsync,
                                      put_in_place)

@@ -212,9 +212,9 @@ class DevicesPipeline(nn.Module):
         wanted = [(key, x) for key, x in keyed_leaves(self.staged.inputs, inputs)
                   if isinstance(x, torch.Tensor) and x.requires_grad]
         step = Step(self, cells, split, microbatch_dim, differentiating=True, input_grads=[key for key, _ in wanted])
-        telling = not declares_reduction(loss_fn) and tells_reductions_apart(on_host(targets))
-        check = not declares_reduction(loss_fn) and loss_fn not in self.settled_losses and (
-            telling or loss_fn not in self.checked_losses)
+        unsettled = not declares_reduction(loss_fn) and loss_fn not in self.settled_losses
+        telling = unsettled and tells_reductions_apart(on_host(targets))  # no host copy once settled
+        check = unsettled and (telling or loss_fn not in self.checked_losses)
         step.loss = StepLoss(loss_fn, targets, self.stage_devices[-1], check)
         grads_before = saved_grads([*self.state.module.parameters(), *(x for _, x in wanted)]) if check else {}
         with _guard_failures_explained():

@@ -95,7 +95,10 @@ class SpmdPipeline(nn.Module):
         self.per_stage = spread(self.block_count, self.stages * self.virtual)  # per model stage
         self.depth = max(self.per_stage)  # K: block slots per model stage
         self._template = [stacked.blocks[0]]  # kept out of the module tree: its weights are not ours
-        self._block_constants = dict(stacked.blocks[0].named_buffers())  # equal in every block (stacking)
+        # The blocks' own constants, equal in every block (stacking's check): block 0's, on the device in the
+        # form the clock loop carries them, with the dtype each is read back in.
+        self._block_constants = {name: (_differentiable(buffer).to(device), buffer.dtype)
+                                 for name, buffer in stacked.blocks[0].named_buffers()}
         self._block_parameters = [list(block.named_parameters()) for block in stacked.blocks]
         self._frozen = [[not p.requires_grad for _, p in named] for named in self._block_parameters]
         self.body = StackedWeights.from_blocks(stacked.blocks, self._slots(), self.virtual * self.depth, device,
@@ -177,7 +180,7 @@ class SpmdPipeline(nn.Module):
         weights = tuple(self.placement.gathered_body(w, split=dim is not None)
                         for w, dim in zip(self.body.effective_weights(), self.body.dims))
         weights += tuple(self.placement.per_device(c) for c in constants)  # they ride along
-        weights += tuple(self.placement.per_device(_differentiable(c)) for c in self._block_constants.values())
+        weights += tuple(self.placement.per_device(carried) for carried, _ in self._block_constants.values())
         carry = (state, slots, valid, weights)
         plain_from = _first_kept_clock(self.schedule, self.checkpoint)
         ring = bool(tables.from_ring.any())
@@ -229,7 +232,7 @@ class SpmdPipeline(nn.Module):
         stream, *per_row = packing.unpack(x)
         per_row, constants = iter(per_row), iter(weights[len(self.body.names):])
         sides = [next(per_row) if rows else next(constants) for rows in self.side_rows]
-        own_constants = {name: next(constants).to(c.dtype) for name, c in self._block_constants.items()}
+        own_constants = {name: next(constants).to(dtype) for name, (_, dtype) in self._block_constants.items()}
         valid, *blocks = (self._of_round(w, round_) for w in (valid, *weights[:len(self.body.names)]))
         for slot in range(self.depth):
             params = {name: self.body.unstored(index, w[slot]) for index, (name, w) in

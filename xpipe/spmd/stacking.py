@@ -290,6 +290,11 @@ def _check_alike(blocks: list[torch.fx.GraphModule], module: nn.Module) -> None:
     first = [(tuple(p.shape), p.dtype) for p in blocks[0].parameters()]
     in_state = {id(tensor) for tensor in module.state_dict(keep_vars=True).values()}
     constants = [buffer for _, buffer in blocks[0].named_buffers()]  # per block names differ (lifted_tensor_2, ...)
+    large = [name for name, buffer in blocks[0].named_buffers()
+             if not buffer.is_floating_point() and buffer.numel() and int(buffer.abs().max()) >= 2**24]
+    if large:
+        raise ValueError(f"module: block 0's integer constants {large} hold values of 2**24 or more, which the "
+                         "stacked body cannot carry exactly: use executor='devices'")
     for index, block in enumerate(blocks):
         if [(tuple(p.shape), p.dtype) for p in block.parameters()] != first:
             raise ValueError(f"module: block {index} has other parameter shapes than block 0; cannot stack them")
@@ -301,22 +306,9 @@ def _check_alike(blocks: list[torch.fx.GraphModule], module: nn.Module) -> None:
                              "executor='devices'")
         differing = [name for position, (name, buffer) in enumerate(buffers.items())
                      if position >= len(constants) or not _equal(buffer, constants[position])]
-        large = [name for name, buffer in buffers.items()
-                 if not buffer.is_floating_point() and buffer.numel() and int(buffer.abs().max()) >= 2**24]
-        if large:
-            raise ValueError(f"module: block {index}'s integer constants {large} hold values of 2**24 or more, "
-                             "which the stacked body cannot carry exactly: use executor='devices'")
         if differing or len(buffers) != len(constants):
             raise ValueError(f"module: block {index}'s constant tensors {differing} differ from block 0's; the "
                              "stacked body runs every block with block 0's constants: use executor='devices'")
-
-
-def move_block_constants(block: torch.fx.GraphModule, device: torch.device) -> None:
-    """Put ``block``'s buffers (constants equal in every block: see :func:`_check_alike`)
-    on ``device``, where the stacked body reads them (replicated under SPMD)."""
-    for name, buffer in list(block.named_buffers()):
-        owner, _, attribute = name.rpartition(".")
-        block.get_submodule(owner).register_buffer(attribute, buffer.to(device), persistent=False)
 
 
 def _equal(a: torch.Tensor, b: torch.Tensor) -> bool:

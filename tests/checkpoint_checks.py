@@ -127,6 +127,32 @@ def held_shards():
 
 
 @contextlib.contextmanager
+def load_buffers_alive():
+    """Record, in the returned list's one element, the most bytes of load buffers
+    (:class:`xpipe.checkpoints.shards.ShardBuffers`) alive at once while the block loads."""
+    peak, alive = [0], {}
+    buffers = xpipe.checkpoints.shards.ShardBuffers
+    original_read, original_filled = buffers.read, buffers.filled
+
+    def read(self, shard):
+        value = original_read(self, shard)
+        alive[id(self)] = sum(buffer.numel() * buffer.element_size() for buffer in self._buffers.values())
+        peak[0] = max(peak[0], sum(alive.values()))
+        return value
+
+    def filled(self):
+        original_filled(self)
+        if not self._buffers:
+            alive.pop(id(self), None)
+
+    buffers.read, buffers.filled = read, filled
+    try:
+        yield peak
+    finally:
+        buffers.read, buffers.filled = original_read, original_filled
+
+
+@contextlib.contextmanager
 def loaded_from_shards():
     """Fail if a load hands a Pipe whole tensors (``Pipe.load_state_dict``, which sends
     each to every device); yield the loads from shard buffers, as (the tensor's shape,

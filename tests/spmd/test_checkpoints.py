@@ -13,9 +13,10 @@ import torch_xla
 
 import xpipe
 import xpipe.checkpoints.shards
+from xpipe.spmd.state_map import StateMap
 from xpipe.models import mlp_stack
 from checkpoint_checks import (assert_chunks_tile_every_tensor, assert_each_device_loaded_its_shard, held_shards,
-                               loaded_from_shards, no_sharded_tensor_put_together)
+                               load_buffers_alive, loaded_from_shards, no_sharded_tensor_put_together)
 from equivalence import assert_loads_exactly, step_losses
 from fresh_process import call_in_fresh_process
 from pipe_checks import batch_for, loss_of, tiny_lm
@@ -134,6 +135,31 @@ def test_shards_with_padding_save_and_load_into_other_layouts(tmp_path, monkeypa
     with pytest.raises(ValueError, match="holds optimizer state"):
         xpipe.load(tmp_path / "ckpt", other, sgd)
     assert all(torch.equal(value, before[key]) for key, value in other.host_state_dict().items())
+
+    # A read that fails after two tensors were put in place: said so, and the Pipe refuses to
+    # run or save until a load succeeds; that load holds a few tensors' buffers at a time.
+    put_in_place, calls = StateMap._put_in_place, []
+
+    def fail_on_the_third(self, tensor, buffers):
+        calls.append(tensor)
+        if len(calls) == 3:
+            raise OSError("a disk error")
+        put_in_place(self, tensor, buffers)
+
+    monkeypatch.setattr(StateMap, "_put_in_place", fail_on_the_third)
+    with pytest.raises(RuntimeError, match=r"(?s)a disk error.*xpipe.load had already put 2 of the \d+ tensors"):
+        xpipe.load(tmp_path / "ckpt", other, other_optimizer)
+    with pytest.raises(RuntimeError, match="the last xpipe.load failed part-way"):
+        other.step(*batch_for(plain, 8))
+    with pytest.raises(RuntimeError, match="the last xpipe.load failed part-way"):
+        xpipe.save(tmp_path / "mixed", other, other_optimizer)
+    assert not (tmp_path / "mixed").exists()
+    monkeypatch.setattr(StateMap, "_put_in_place", put_in_place)
+    with load_buffers_alive() as alive:
+        xpipe.load(tmp_path / "ckpt", other, other_optimizer)
+    assert all(torch.equal(value, saved[key]) for key, value in other.host_state_dict().items())
+    checkpoint_bytes = 3 * sum(value.numel() * value.element_size() for value in saved.values())
+    assert 0 < alive[0] < checkpoint_bytes / 2, (alive[0], checkpoint_bytes)
 
 
 def test_host_state_dict_is_put_together_from_the_shards():

@@ -28,6 +28,12 @@ from xpipe.checkpoints.shards import shard_like
 from xpipe.checkpoints.state import CheckpointState, named_slices, state_of
 
 
+PARTLY_LOADED = ("xpipe.load had already put {done} of the {of} tensors it reads from {path!r} in place (it hands "
+                 "each to the devices as soon as it is read, so that the host holds one tensor at a time, not the "
+                 "checkpoint): the model and optimizer now hold part of this checkpoint, and the Pipe refuses to "
+                 "run until a load succeeds; load a checkpoint again")
+
+
 def load(path: str | os.PathLike, pipe: nn.Module,
          optimizer: torch.optim.Optimizer | None = None) -> tuple[int | None, Any]:
     """Load a checkpoint written by :func:`save` into ``pipe`` (and ``optimizer``),
@@ -36,10 +42,19 @@ def load(path: str | os.PathLike, pipe: nn.Module,
     Returns:
         ``(step, extra)`` as they were given to :func:`save`.
 
+    Everything that can refuse the checkpoint is checked before anything changes:
+    its files' checksums, keys, shapes, and the optimizer's kind, groups and state.
+    Then each tensor is put in place on its devices as soon as DCP has read it (under
+    spmd; otherwise whole CPU tensors are loaded once all are read), so that a load
+    holds about one tensor's buffers on the host, not the whole checkpoint.
+
     Raises:
         ValueError: a checkpoint that is incomplete, corrupted, from another model
             (missing or unexpected keys, other shapes) or without optimizer state
             when ``optimizer`` is given; nothing is changed then.
+        RuntimeError: a read that failed after the checks (a file removed or changed
+            during the load, a disk error). If tensors had been put in place by then,
+            the message says so, and the Pipe refuses to run until a load succeeds.
     """
     path = Path(path)
     group = SaveGroup.of_process_group()
@@ -51,15 +66,22 @@ def load(path: str | os.PathLike, pipe: nn.Module,
     training = torch.load(path / TRAINING, weights_only=False)
     model, devices, _ = state_of(pipe)
     tensors: dict[str, Any] = {}
-    tensors["model"], put_model_state = model.model_destinations()
+    tensors["model"], every_key_read = model.model_destinations()
     if optimizer is not None:
         tensors["optimizer"], optimizer_state = _optimizer_destinations(model, optimizer, manifest,
                                                                          training["param_groups"], path)
-    with dcp_call("xpipe.load", path):
-        dcp.load(tensors, checkpoint_id=path, planner=PieceLoadPlanner(), no_dist=group.alone)
-    if optimizer is not None:  # first: it is the part that can still refuse, and then nothing has changed
-        _load_optimizer_or_change_nothing(optimizer, optimizer_state(), path)
-    put_model_state()
+    planner = PieceLoadPlanner()
+    try:
+        with dcp_call("xpipe.load", path):
+            dcp.load(tensors, checkpoint_id=path, planner=planner, no_dist=group.alone)
+        if optimizer is not None:
+            _load_optimizer(optimizer, optimizer_state(), path)
+    except Exception as error:
+        if planner.handed_over:
+            partly = PARTLY_LOADED.format(path=str(path), done=planner.handed_over, of=planner.destinations)
+            raise RuntimeError(f"{error}\n{partly}") from error
+        raise
+    every_key_read()
     _restore_rng(devices, training["rng"])
     return training["step"], training["extra"]
 
@@ -124,10 +146,12 @@ def _optimizer_destinations(model: CheckpointState, optimizer: torch.optim.Optim
                                  "optimizer with the same parameters in the same groups")
             present = {name: saved[name] for name in parts if name in saved}
             if present:
-                made[index] = _state_destinations(model, parameter, parts, present, destinations)
+                kept = optimizer.state.get(parameter, {})
+                made[index] = _state_destinations(model, parameter, parts, present, kept, destinations)
             positions.append(index)
             index += 1
         groups.append({**{k: v for k, v in saved_group.items() if k != "params"}, "params": positions})
+    _check_optimizer_takes(optimizer, groups, {position: list(keys) for position, keys in made.items()}, path)
 
     def state() -> dict[str, Any]:
         return {"state": {position: {key: make() for key, make in keys.items()} for position, keys in made.items()},
@@ -137,19 +161,22 @@ def _optimizer_destinations(model: CheckpointState, optimizer: torch.optim.Optim
 
 
 def _state_destinations(model: CheckpointState, parameter: torch.Tensor, parts: dict[str, torch.Tensor],
-                        saved: dict[str, dict[str, tuple[list[int], torch.dtype]]],
+                        saved: dict[str, dict[str, tuple[list[int], torch.dtype]]], kept: dict[str, Any],
                         destinations: dict[str, dict[str, Pieces | torch.Tensor]]
                         ) -> dict[str, Callable[[], torch.Tensor]]:
     """The destinations of one parameter's saved optimizer state (``saved``: by name, each
     state's shape and dtype), added to ``destinations``; returns, per state key, what
     gives the loaded tensor. A state shaped like each name's part of ``parameter`` goes
-    into that part; any other (Adam's ``step``, a scalar) is the same for every name and
-    read once."""
+    into that part (into the optimizer's own state tensor ``kept[key]``, in place, where
+    the executor can); any other (Adam's ``step``, a scalar) is the same for every name
+    and read once."""
     first = next(iter(saved))
     made = {}
     for key, (shape, dtype) in saved[first].items():
         if all(key in states and states[key][0] == list(parts[name].shape) for name, states in saved.items()):
-            named, made[key] = model.state_destinations(parameter, dtype)
+            own = kept.get(key)
+            own = own if isinstance(own, torch.Tensor) and own.shape == parameter.shape else None
+            named, made[key] = model.state_destinations(parameter, dtype, own)
             for name, destination in named:
                 if name in saved:
                     destinations.setdefault(name, {})[key] = destination
@@ -164,16 +191,36 @@ def _returning(value: torch.Tensor) -> Callable[[], torch.Tensor]:
     return lambda: value
 
 
-def _load_optimizer_or_change_nothing(optimizer: torch.optim.Optimizer, state: dict[str, Any], path: Path) -> None:
-    """``optimizer.load_state_dict(state)``, or, if it fails (state of another kind of
-    optimizer, in a checkpoint that does not record its kind), the optimizer as it was."""
+def _check_optimizer_takes(optimizer: torch.optim.Optimizer, groups: list[dict],
+                           keys: dict[int, list[str]], path: Path) -> None:
+    """Raise, changing nothing, unless ``optimizer`` takes the checkpoint's param
+    ``groups`` and per-parameter state ``keys`` (by position): a state of another kind
+    of optimizer, in a checkpoint that does not record its kind. The check is a load
+    of that state made of scalars, undone."""
     kept = next((sorted(value) for value in optimizer.state.values()), None)  # one parameter's state keys
-    loaded = next((sorted(value) for value in state["state"].values()), None)
+    loaded = next((sorted(value) for value in keys.values()), None)
     if kept and loaded and kept != loaded:
         raise ValueError(f"optimizer: the checkpoint {str(path)!r} holds optimizer state {loaded}, and this "
                          f"optimizer keeps {kept}; build the optimizer the checkpoint was saved with, or load with "
                          "optimizer=None")
+    scalars = {position: {key: torch.zeros(()) for key in names} for position, names in keys.items()}
     before = optimizer.state, optimizer.param_groups  # load_state_dict puts new objects in their place
+    try:
+        optimizer.load_state_dict({"state": scalars, "param_groups": groups})
+    except Exception as error:
+        raise ValueError(f"optimizer: the state in {str(path)!r} does not load into this "
+                         f"{type(optimizer).__name__} ({type(error).__name__}: {error}); build the optimizer the "
+                         "checkpoint was saved with, or load with optimizer=None") from error
+    finally:
+        optimizer.state, optimizer.param_groups = before
+
+
+def _load_optimizer(optimizer: torch.optim.Optimizer, state: dict[str, Any], path: Path) -> None:
+    """``optimizer.load_state_dict(state)`` (its groups and state keys checked before
+    the read, by :func:`_check_optimizer_takes`; should it still fail, the optimizer is
+    left as it was), each state that was loaded whole onto the device then sharded as
+    its parameter."""
+    before = optimizer.state, optimizer.param_groups
     try:
         optimizer.load_state_dict(state)
     except Exception as error:
@@ -181,7 +228,6 @@ def _load_optimizer_or_change_nothing(optimizer: torch.optim.Optimizer, state: d
         raise ValueError(f"optimizer: the state in {str(path)!r} does not load into this "
                          f"{type(optimizer).__name__} ({type(error).__name__}: {error}); build the optimizer the "
                          "checkpoint was saved with, or load with optimizer=None") from error
-    # A state loaded whole onto the device (not from shard buffers) is sharded as its parameter again.
     shard_like([(value, parameter) for group in optimizer.param_groups for parameter in group["params"]
                 for value in optimizer.state.get(parameter, {}).values() if isinstance(value, torch.Tensor)])
 

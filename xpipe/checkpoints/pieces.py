@@ -17,6 +17,7 @@ from __future__ import annotations
 import io
 import math
 import os
+from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -26,7 +27,8 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX, _write_item
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
-from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, TensorWriteData, WriteItem, WriteItemType
+from torch.distributed.checkpoint.planner import (LoadPlan, ReadItem, SavePlan, SavePlanner, TensorWriteData, WriteItem,
+                                                  WriteItemType)
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
@@ -42,6 +44,13 @@ class ShardSource(Protocol):
     def expect_read(self) -> None: ...
 
     def read(self, shard: int) -> torch.Tensor: ...
+
+
+class ShardDestination(ShardSource, Protocol):
+    """Shards a load writes into (:class:`xpipe.checkpoints.shards.ShardBuffers`),
+    told when every saved chunk that overlaps them has been written."""
+
+    def filled(self) -> None: ...
 
 
 def _whole(values: torch.Tensor) -> torch.Tensor:
@@ -93,6 +102,10 @@ class Pieces:
         """The values of the piece at ``offsets``."""
         return self._pieces[offsets].read()
 
+    def source_at(self, offsets: torch.Size) -> ShardSource:
+        """The shards the piece at ``offsets`` is read from, or written into."""
+        return self._pieces[offsets].source
+
     def sources(self) -> list[ShardSource]:
         """The shards the pieces are read from."""
         return list({id(piece.source): piece.source for piece in self._pieces.values()}.values())
@@ -115,7 +128,21 @@ class PieceSavePlanner(DefaultSavePlanner):
 
 
 class PieceLoadPlanner(DefaultLoadPlanner):
-    """DCP's default planner, writing each chunk's data into its :class:`Pieces`' piece."""
+    """DCP's default planner, writing each chunk's data into its :class:`Pieces`' piece,
+    and telling each destination's shards when the last saved chunk that overlaps
+    them is written (:meth:`ShardDestination.filled`): a load then hands tensor
+    after tensor to the devices as DCP reads them, in the state dict's order.
+    ``handed_over`` counts the destinations told so far, of ``destinations``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._unread: Counter[int] = Counter()
+        self._destinations: dict[int, ShardDestination] = {}
+        self.handed_over = 0
+
+    @property
+    def destinations(self) -> int:
+        return len(self._destinations)
 
     def set_up_planner(self, state_dict: dict[str, Any], metadata: Any = None, is_coordinator: bool = False) -> None:
         # DCP's set-up puts None in place of every value it does not know (torch 2.9's
@@ -128,11 +155,34 @@ class PieceLoadPlanner(DefaultLoadPlanner):
             if tuple(path) in pieces:
                 self.state_dict[fqn] = pieces[tuple(path)]
 
+    def finish_plan(self, new_plan: LoadPlan) -> LoadPlan:
+        plan = super().finish_plan(new_plan)
+        for item in plan.items:
+            destination = self._destination_of(item)
+            if destination is not None:
+                self._unread[id(destination)] += 1
+                self._destinations[id(destination)] = destination
+        return plan
+
     def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
         value = self.state_dict[index.fqn]
         if isinstance(value, Pieces):
             return value.piece_at(index.offset)
         return super().lookup_tensor(index)
+
+    def commit_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> None:
+        destination = self._destination_of(read_item)
+        if destination is None:
+            return
+        self._unread[id(destination)] -= 1
+        if self._unread[id(destination)] == 0:
+            destination.filled()
+            self.handed_over += 1
+
+    def _destination_of(self, item: ReadItem) -> ShardDestination | None:
+        """The shards ``item`` writes into, if its key is a :class:`Pieces`."""
+        value = self.state_dict.get(item.dest_index.fqn)
+        return value.source_at(item.dest_index.offset) if isinstance(value, Pieces) else None
 
 
 def _pieces_in(state: dict[str, Any], path: tuple[str, ...] = ()) -> Iterator[tuple[tuple[str, ...], Pieces]]:

@@ -11,6 +11,7 @@ saves and loads, and neither puts a tensor together whole on the host.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -84,7 +85,9 @@ class ShardBuffers:
     """Host buffers for the shards of one tensor that this host's devices hold, one per
     place (replicas share it), zero until written: a checkpoint load fills them where
     the saved chunks overlap them, then hands every device its own, in place
-    (:meth:`load_into`) or as a new tensor (:meth:`to_device`). Nothing is put
+    (:meth:`load_into`) or as a new tensor (:meth:`to_device`): as soon as they are
+    filled, where an action is given (:meth:`when_filled`), so that a load holds
+    the buffers of the tensors it is reading, not the model's. Nothing is put
     together whole on the host. ``places`` and :meth:`read` are those of
     :class:`HostShards`, so one geometry (:mod:`xpipe.checkpoints.pieces`) serves saves and loads."""
 
@@ -93,6 +96,21 @@ class ShardBuffers:
         self.places, self.dtype = places, dtype
         self._like, self._of_device, self._shard_shape, self._sharded = like, of_device, shard_shape, sharded
         self._buffers: dict[int, torch.Tensor] = {}
+        self._when_filled: Callable[[ShardBuffers], None] | None = None
+
+    def when_filled(self, action: Callable[[ShardBuffers], None]) -> None:
+        """Run ``action(self)`` (hand the buffers to the devices) once a load has
+        written every saved chunk that overlaps them, then let the buffers go."""
+        self._when_filled = action
+
+    def filled(self) -> None:
+        """Every saved chunk that overlaps the buffers is written (see
+        :class:`xpipe.checkpoints.pieces.PieceLoadPlanner`): run the action given to
+        :meth:`when_filled`, if any, and then free the buffers."""
+        action, self._when_filled = self._when_filled, None
+        if action is not None:
+            action(self)
+            self._buffers = {}
 
     def expect_read(self) -> None:
         """Nothing to count: buffers are kept until the load hands them over."""
@@ -125,7 +143,6 @@ class ShardBuffers:
         if not self._sharded:
             return self._device_data()[0].to(self._like.device)
         return tensor_from_shards(self._device_data(), op_sharding(self._like), list(self._like.shape))
-
 
 
 def shard_buffers(tensors: list[torch.Tensor], dtypes: list[torch.dtype] | None = None) -> list[ShardBuffers]:

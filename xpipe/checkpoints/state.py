@@ -50,14 +50,16 @@ class CheckpointState(Protocol):
         sharded one as the pieces those shards cover, nothing put together."""
 
     def model_destinations(self) -> tuple[dict[str, Pieces | torch.Tensor], Callable[[], None]]:
-        """Where a load writes each ``state_dict`` key, and what puts the written state
-        in place once every key is read (nothing changes before)."""
+        """Where a load writes each ``state_dict`` key, and what is called once every
+        key is read: it puts the written state in place, where the destinations did
+        not as they were filled (:class:`xpipe.checkpoints.pieces.PieceLoadPlanner`)."""
 
-    def state_destinations(self, parameter: torch.Tensor, dtype: torch.dtype
+    def state_destinations(self, parameter: torch.Tensor, dtype: torch.dtype, into: torch.Tensor | None = None
                            ) -> tuple[NamedPieces, Callable[[], torch.Tensor]]:
         """Where a load writes an optimizer state of ``parameter`` (shaped like it, of
         ``dtype``), by the names ``parameter`` holds; and what gives the loaded state as
-        one tensor shaped (and, on devices, sharded) like ``parameter``."""
+        one tensor shaped (and, on devices, sharded) like ``parameter``: ``into`` (the
+        optimizer's own state for it) loaded in place, where the executor can."""
 
 
 @runtime_checkable
@@ -130,7 +132,8 @@ class WholeState:
         state = {key: torch.empty(value.shape, dtype=value.dtype) for key, value in self.module.state_dict().items()}
         return state, lambda: self.module.load_state_dict(state)
 
-    def state_destinations(self, parameter: torch.Tensor, dtype: torch.dtype
+    def state_destinations(self, parameter: torch.Tensor, dtype: torch.dtype, into: torch.Tensor | None = None
                            ) -> tuple[Named, Callable[[], torch.Tensor]]:
+        """A whole CPU tensor (``into`` is left alone: ``load_state_dict`` puts it in place)."""
         whole = torch.zeros(parameter.shape, dtype=dtype)
         return named_slices(self, parameter, whole), lambda: whole

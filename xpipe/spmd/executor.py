@@ -127,6 +127,7 @@ class SpmdPipeline(nn.Module):
     def forward(self, *inputs: torch.Tensor, microbatch_dim: int | None = None):
         """Run one step's forward; see :class:`xpipe.Pipe` for the contract."""
         self._check_flags_unchanged()
+        self.state.check_whole()
         if self.exported is not None:
             self.exported.check_mode(self.training)
             self.exported.check_inputs(inputs, microbatch_dim)

@@ -12,13 +12,14 @@ shard, never a sharded tensor put together on the host.
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 
 import torch
 from torch import nn
 
-from xpipe._xla import to_host
+from xpipe._xla import sharding_spec, to_host
 from xpipe.checkpoints.pieces import Pieces, from_shards
-from xpipe.checkpoints.shards import HostShards, host_shards, shard_buffers
+from xpipe.checkpoints.shards import HostShards, ShardBuffers, host_shards, shard_buffers
 from xpipe.spmd.stacked_weights import StackedWeights
 from xpipe.spmd.stacking import StackedModel
 
@@ -38,6 +39,15 @@ class StateMap:
         self.body = body
         self._sources, self._traced_name = _state_sources(stacked, keys)
         self._holders: dict[int, list[tuple[str, tuple | None]]] | None = None  # see _places_in
+        self.partly_loaded = False  # a load failed after it began to put tensors in place (model_destinations)
+
+    def check_whole(self) -> None:
+        """Raise if a load failed part-way (:attr:`partly_loaded`): the weights are a mix
+        of two states, which no step or save may use."""
+        if self.partly_loaded:
+            raise RuntimeError("pipe: the last xpipe.load failed part-way, after it had put some of the "
+                               "checkpoint's tensors in place, so the weights (and optimizer state) are a mix of "
+                               "two states; load a checkpoint again (xpipe.load) before you run or save the Pipe")
 
     def state_tensor(self, key: str) -> torch.Tensor:
         """The tensor behind ``state_dict`` key ``key`` (a view into the stacked body for a block's weight)."""
@@ -95,6 +105,7 @@ class StateMap:
         every stage), cut into its blocks' boxes; the keys come grouped by the tensor
         and slot that hold them, so that DCP, which writes in this order, holds one
         slot of one tensor at a time."""
+        self.check_whole()
         keys = list(self._sources)
         places = {key: self.body.block_place(*self._sources[key]) if isinstance(self._sources[key], tuple) else None
                   for key in keys}
@@ -123,12 +134,15 @@ class StateMap:
     def model_destinations(self) -> tuple[dict[str, Pieces], Callable[[], None]]:
         """Where a load writes every ``state_dict`` key: each key as the pieces of
         host buffers for the shards of the tensor that holds it on this host's devices
-        (a tied tensor under its first key), and what hands the buffers to the devices,
-        in place, once they are filled. No tensor is put together whole on the host."""
-        keys = list(self._sources)
+        (a tied tensor under its first key), grouped by that tensor, so that DCP, which
+        reads in this order, fills one tensor's buffers at a time. Each tensor is put
+        in place, on its devices, as soon as its buffers are filled, and the buffers
+        let go; the model is :attr:`partly_loaded` from then until what this returns
+        last is called, once every key is read. No tensor is put together whole on
+        the host."""
         holders: dict[int, torch.Tensor] = {}
-        wanted = {}
-        for key in keys:
+        wanted: dict[int, list[tuple[str, tuple[int, int] | None, int | None]]] = {}
+        for key in self._sources:
             source = self._sources[key]
             if isinstance(source, tuple):
                 holder, at, index = self.body.block_place(*source)
@@ -137,24 +151,28 @@ class StateMap:
                 if id(holder) in holders:
                     continue  # tied to an earlier key: the same tensor, the same values
             holders[id(holder)] = holder
-            wanted[key] = (holder, at, index)
-        buffers = dict(zip(holders, shard_buffers(list(holders.values()))))
-        chunks = {key: from_shards(holder.shape, holder.dtype, buffers[id(holder)]) if at is None
-                  else self.body.block_pieces(index, at, buffers[id(holder)])
-                  for key, (holder, at, index) in wanted.items()}
+            wanted.setdefault(id(holder), []).append((key, at, index))
+        chunks = {}
+        for (identity, holder), buffers in zip(holders.items(), shard_buffers(list(holders.values()))):
+            buffers.when_filled(partial(self._put_in_place, holder))
+            for key, at, index in wanted[identity]:
+                chunks[key] = (from_shards(holder.shape, holder.dtype, buffers) if at is None
+                               else self.body.block_pieces(index, at, buffers))
 
-        def hand_over() -> None:
-            for identity, holder in holders.items():
-                buffers[identity].load_into(holder)
+        def every_key_read() -> None:
+            self.partly_loaded = False
 
-        return chunks, hand_over
+        return chunks, every_key_read
 
-    def state_destinations(self, parameter: torch.Tensor, dtype: torch.dtype
+    def state_destinations(self, parameter: torch.Tensor, dtype: torch.dtype, into: torch.Tensor | None = None
                            ) -> tuple[list[tuple[str, Pieces]], Callable[[], torch.Tensor]]:
         """Where a load writes an optimizer state of ``parameter`` (shaped like it, of
         ``dtype``), by the names ``parameter`` holds (:meth:`named_slices`): each name's
         part as the pieces of buffers for ``parameter``'s shards on this host; and what
-        makes the filled buffers a tensor on the devices, sharded as ``parameter``."""
+        gives the loaded state on the devices, sharded as ``parameter``. As soon as the
+        buffers are filled they are written into ``into`` (the optimizer's own state,
+        in place, where it is of that dtype and sharded as ``parameter``) or made a new
+        tensor, and let go."""
         buffers = shard_buffers([parameter], [dtype])[0]
         named = []
         for name, place in self._places_in(parameter):
@@ -163,7 +181,17 @@ class StateMap:
             else:
                 index, at = place
                 named.append((name, self.body.block_pieces(index, at, buffers)))
-        return named, buffers.to_device
+        if into is not None and into.dtype == dtype and sharding_spec(into) == sharding_spec(parameter):
+            buffers.when_filled(partial(self._put_in_place, into))
+            return named, lambda: into
+        made = []
+        buffers.when_filled(lambda filled: made.append(filled.to_device()))
+        return named, lambda: made[0]
+
+    def _put_in_place(self, tensor: torch.Tensor, buffers: ShardBuffers) -> None:
+        """Write a load's filled ``buffers`` into ``tensor``, which they were made for."""
+        self.partly_loaded = True
+        buffers.load_into(tensor)
 
     def _places_in(self, parameter: torch.Tensor) -> list[tuple[str, tuple[int, tuple[int, int]] | None]]:
         """The names ``parameter`` holds, each with where: (block parameter index,

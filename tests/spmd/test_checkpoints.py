@@ -144,7 +144,7 @@ def test_shards_with_padding_save_and_load_into_other_layouts(tmp_path, monkeypa
         calls.append(tensor)
         if len(calls) == 3:
             raise OSError("a disk error")
-        put_in_place(self, tensor, buffers)
+        return put_in_place(self, tensor, buffers)
 
     monkeypatch.setattr(StateMap, "_put_in_place", fail_on_the_third)
     with pytest.raises(RuntimeError, match=r"(?s)a disk error.*xpipe.load had already put 2 of the \d+ tensors"):

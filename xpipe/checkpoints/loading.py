@@ -77,8 +77,8 @@ def load(path: str | os.PathLike, pipe: nn.Module,
         if optimizer is not None:
             _load_optimizer(optimizer, optimizer_state(), path)
     except Exception as error:
-        if planner.handed_over:
-            partly = PARTLY_LOADED.format(path=str(path), done=planner.handed_over, of=planner.destinations)
+        if planner.put_in_place:
+            partly = PARTLY_LOADED.format(path=str(path), done=planner.put_in_place, of=planner.destinations)
             raise RuntimeError(f"{error}\n{partly}") from error
         raise
     every_key_read()
@@ -175,8 +175,8 @@ def _state_destinations(model: CheckpointState, parameter: torch.Tensor, parts: 
     for key, (shape, dtype) in saved[first].items():
         if all(key in states and states[key][0] == list(parts[name].shape) for name, states in saved.items()):
             own = kept.get(key)
-            own = own if isinstance(own, torch.Tensor) and own.shape == parameter.shape else None
-            named, made[key] = model.state_destinations(parameter, dtype, own)
+            named, made[key] = model.state_destinations(parameter, dtype,
+                                                        own if isinstance(own, torch.Tensor) else None)
             for name, destination in named:
                 if name in saved:
                     destinations.setdefault(name, {})[key] = destination
@@ -204,23 +204,24 @@ def _check_optimizer_takes(optimizer: torch.optim.Optimizer, groups: list[dict],
                          f"optimizer keeps {kept}; build the optimizer the checkpoint was saved with, or load with "
                          "optimizer=None")
     scalars = {position: {key: torch.zeros(()) for key in names} for position, names in keys.items()}
-    before = optimizer.state, optimizer.param_groups  # load_state_dict puts new objects in their place
-    try:
-        optimizer.load_state_dict({"state": scalars, "param_groups": groups})
-    except Exception as error:
-        raise ValueError(f"optimizer: the state in {str(path)!r} does not load into this "
-                         f"{type(optimizer).__name__} ({type(error).__name__}: {error}); build the optimizer the "
-                         "checkpoint was saved with, or load with optimizer=None") from error
-    finally:
-        optimizer.state, optimizer.param_groups = before
+    before = optimizer.state, optimizer.param_groups
+    _load_state_dict_or_restore(optimizer, {"state": scalars, "param_groups": groups}, path)
+    optimizer.state, optimizer.param_groups = before
 
 
 def _load_optimizer(optimizer: torch.optim.Optimizer, state: dict[str, Any], path: Path) -> None:
     """``optimizer.load_state_dict(state)`` (its groups and state keys checked before
-    the read, by :func:`_check_optimizer_takes`; should it still fail, the optimizer is
-    left as it was), each state that was loaded whole onto the device then sharded as
-    its parameter."""
-    before = optimizer.state, optimizer.param_groups
+    the read, by :func:`_check_optimizer_takes`), each state that was loaded whole onto
+    the device then sharded as its parameter."""
+    _load_state_dict_or_restore(optimizer, state, path)
+    shard_like([(value, parameter) for group in optimizer.param_groups for parameter in group["params"]
+                for value in optimizer.state.get(parameter, {}).values() if isinstance(value, torch.Tensor)])
+
+
+def _load_state_dict_or_restore(optimizer: torch.optim.Optimizer, state: dict[str, Any], path: Path) -> None:
+    """``optimizer.load_state_dict(state)``; if torch refuses it, the optimizer as it was
+    and a ``ValueError`` that says what to do."""
+    before = optimizer.state, optimizer.param_groups  # load_state_dict puts new objects in their place
     try:
         optimizer.load_state_dict(state)
     except Exception as error:
@@ -228,8 +229,6 @@ def _load_optimizer(optimizer: torch.optim.Optimizer, state: dict[str, Any], pat
         raise ValueError(f"optimizer: the state in {str(path)!r} does not load into this "
                          f"{type(optimizer).__name__} ({type(error).__name__}: {error}); build the optimizer the "
                          "checkpoint was saved with, or load with optimizer=None") from error
-    shard_like([(value, parameter) for group in optimizer.param_groups for parameter in group["params"]
-                for value in optimizer.state.get(parameter, {}).values() if isinstance(value, torch.Tensor)])
 
 
 def _restore_rng(devices: list[torch.device], states: dict[str, Any]) -> None:

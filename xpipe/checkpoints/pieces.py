@@ -48,9 +48,10 @@ class ShardSource(Protocol):
 
 class ShardDestination(ShardSource, Protocol):
     """Shards a load writes into (:class:`xpipe.checkpoints.shards.ShardBuffers`),
-    told when every saved chunk that overlaps them has been written."""
+    told when every saved chunk that overlaps them has been written; they say whether
+    that changed, in place, a tensor the model or optimizer holds."""
 
-    def filled(self) -> None: ...
+    def filled(self) -> bool: ...
 
 
 def _whole(values: torch.Tensor) -> torch.Tensor:
@@ -132,13 +133,14 @@ class PieceLoadPlanner(DefaultLoadPlanner):
     and telling each destination's shards when the last saved chunk that overlaps
     them is written (:meth:`ShardDestination.filled`): a load then hands tensor
     after tensor to the devices as DCP reads them, in the state dict's order.
-    ``handed_over`` counts the destinations told so far, of ``destinations``."""
+    ``put_in_place`` counts the destinations that changed a tensor in place so far,
+    of ``destinations``."""
 
     def __init__(self) -> None:
         super().__init__()
         self._unread: Counter[int] = Counter()
         self._destinations: dict[int, ShardDestination] = {}
-        self.handed_over = 0
+        self.put_in_place = 0
 
     @property
     def destinations(self) -> int:
@@ -175,9 +177,8 @@ class PieceLoadPlanner(DefaultLoadPlanner):
         if destination is None:
             return
         self._unread[id(destination)] -= 1
-        if self._unread[id(destination)] == 0:
-            destination.filled()
-            self.handed_over += 1
+        if self._unread[id(destination)] == 0 and destination.filled():
+            self.put_in_place += 1
 
     def _destination_of(self, item: ReadItem) -> ShardDestination | None:
         """The shards ``item`` writes into, if its key is a :class:`Pieces`."""

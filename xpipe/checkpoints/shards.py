@@ -96,21 +96,24 @@ class ShardBuffers:
         self.places, self.dtype = places, dtype
         self._like, self._of_device, self._shard_shape, self._sharded = like, of_device, shard_shape, sharded
         self._buffers: dict[int, torch.Tensor] = {}
-        self._when_filled: Callable[[ShardBuffers], None] | None = None
+        self._when_filled: Callable[[ShardBuffers], bool] | None = None
 
-    def when_filled(self, action: Callable[[ShardBuffers], None]) -> None:
-        """Run ``action(self)`` (hand the buffers to the devices) once a load has
-        written every saved chunk that overlaps them, then let the buffers go."""
+    def when_filled(self, action: Callable[[ShardBuffers], bool]) -> None:
+        """Run ``action(self)`` (hand the buffers to the devices; it returns whether it
+        wrote into a tensor the model or optimizer holds) once a load has written every
+        saved chunk that overlaps them, then let the buffers go."""
         self._when_filled = action
 
-    def filled(self) -> None:
+    def filled(self) -> bool:
         """Every saved chunk that overlaps the buffers is written (see
         :class:`xpipe.checkpoints.pieces.PieceLoadPlanner`): run the action given to
-        :meth:`when_filled`, if any, and then free the buffers."""
+        :meth:`when_filled`, if any, free the buffers, and return what the action did."""
         action, self._when_filled = self._when_filled, None
-        if action is not None:
-            action(self)
-            self._buffers = {}
+        if action is None:
+            return False
+        changed = action(self)
+        self._buffers = {}
+        return changed
 
     def expect_read(self) -> None:
         """Nothing to count: buffers are kept until the load hands them over."""

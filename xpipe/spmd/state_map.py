@@ -171,8 +171,8 @@ class StateMap:
         part as the pieces of buffers for ``parameter``'s shards on this host; and what
         gives the loaded state on the devices, sharded as ``parameter``. As soon as the
         buffers are filled they are written into ``into`` (the optimizer's own state,
-        in place, where it is of that dtype and sharded as ``parameter``) or made a new
-        tensor, and let go."""
+        in place, where it is of that shape, dtype and sharding) or made a new tensor,
+        and let go."""
         buffers = shard_buffers([parameter], [dtype])[0]
         named = []
         for name, place in self._places_in(parameter):
@@ -181,17 +181,24 @@ class StateMap:
             else:
                 index, at = place
                 named.append((name, self.body.block_pieces(index, at, buffers)))
-        if into is not None and into.dtype == dtype and sharding_spec(into) == sharding_spec(parameter):
+        if (into is not None and into.shape == parameter.shape and into.dtype == dtype
+                and sharding_spec(into) == sharding_spec(parameter)):
             buffers.when_filled(partial(self._put_in_place, into))
             return named, lambda: into
         made = []
-        buffers.when_filled(lambda filled: made.append(filled.to_device()))
+
+        def make_tensor(filled: ShardBuffers) -> bool:
+            made.append(filled.to_device())
+            return False  # a new tensor: nothing the Pipe holds has changed yet
+
+        buffers.when_filled(make_tensor)
         return named, lambda: made[0]
 
-    def _put_in_place(self, tensor: torch.Tensor, buffers: ShardBuffers) -> None:
+    def _put_in_place(self, tensor: torch.Tensor, buffers: ShardBuffers) -> bool:
         """Write a load's filled ``buffers`` into ``tensor``, which they were made for."""
         self.partly_loaded = True
         buffers.load_into(tensor)
+        return True
 
     def _places_in(self, parameter: torch.Tensor) -> list[tuple[str, tuple[int, tuple[int, int]] | None]]:
         """The names ``parameter`` holds, each with where: (block parameter index,

@@ -54,11 +54,7 @@ class _LoopParts:
         self.forward, self.alias_input, self.backward = graphs
         self.carry_spec, self.xs_spec, self.carries, self.held = carry_spec, xs_spec, carries, held
         self.positions: tuple[int | None, ...] = ()  # per activation: the held carry it is, or None
-
-    def inputs(self, flat: tuple[torch.Tensor, ...]) -> tuple[Carry, tuple]:
-        """``(init, xs)`` from the loop's flat inputs."""
-        return (tree_unflatten(list(flat[:self.carries]), self.carry_spec),
-                tree_unflatten(list(flat[self.carries:]), self.xs_spec))
+        self.inputs: tuple[Carry, tuple] | None = None  # (init, xs), for the backward's SPMD sharding
 
     def forward_body(self, carry: Carry, x: tuple) -> tuple[Carry, tuple]:
         """One clock: the new carry, and the activations that are not held carries."""
@@ -70,10 +66,9 @@ class _LoopParts:
         self.positions = tuple(next((k for k, h in enumerate(held) if a is h), None) for a in activations)
         return new_carry, tuple(a for a, k in zip(activations, self.positions) if k is None)
 
-    def backward_body(self, carry: tuple, x: tuple, *, inputs: tuple[Carry, tuple]) -> tuple[tuple, tuple]:
+    def backward_body(self, carry: tuple, x: tuple) -> tuple[tuple, tuple]:
         """One clock backwards: ``((grad of the carry, held), (kept activations, x))`` ->
-        ``((grad of the carry before it, held), grad of x)``; ``inputs``, the loop's
-        ``(init, xs)``, shard the gradients like them under SPMD."""
+        ``((grad of the carry before it, held), grad of x)``."""
         grad_carry, held = carry
         kept, x_slice = x
         kept = iter(kept)
@@ -81,7 +76,7 @@ class _LoopParts:
         activations = self.alias_input(partial_activations, x_slice)
         run = self.backward
         if xr.is_spmd():
-            init, xs = inputs
+            init, xs = self.inputs
             run = partial(_backward_shard_alike, backward=self.backward, init=init, xs=xs)
         grad_before, grad_x = run(tree_unflatten(list(grad_carry), self.carry_spec), (None, activations))
         return (tuple(tree_flatten(grad_before)[0]), held), grad_x
@@ -93,20 +88,23 @@ class _Loop(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, parts: _LoopParts, *flat: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        init, xs = parts.inputs(flat)
+        init = tree_unflatten(list(flat[:parts.carries]), parts.carry_spec)
+        xs = tree_unflatten(list(flat[parts.carries:]), parts.xs_spec)
         with torch.no_grad():
             carry, kept = _scan_impl_pytree(parts.forward_body, init, xs)
-        ctx.parts, ctx.input_count = parts, len(flat)
+        ctx.parts, ctx.inputs = parts, len(flat)
         ctx.save_for_backward(*flat, *kept)
         return tuple(tree_flatten(carry)[0])
 
     @staticmethod
     def backward(ctx, *grad_carry: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         parts = ctx.parts
-        flat, kept = ctx.saved_tensors[:ctx.input_count], ctx.saved_tensors[ctx.input_count:]
-        init, xs = parts.inputs(flat)
+        flat, kept = ctx.saved_tensors[:ctx.inputs], ctx.saved_tensors[ctx.inputs:]
+        init = tree_unflatten(list(flat[:parts.carries]), parts.carry_spec)
+        xs = tree_unflatten(list(flat[parts.carries:]), parts.xs_spec)
+        parts.inputs = init, xs
         held = tuple(flat[i] for i in parts.held)
-        body = partial(parts.backward_body, inputs=(init, xs))
         with torch.no_grad():
-            (grad_init, _), grad_xs = _scan_impl_pytree(body, (grad_carry, held), (kept, xs), reverse=True)
+            (grad_init, _), grad_xs = _scan_impl_pytree(parts.backward_body, (grad_carry, held), (kept, xs),
+                                                        reverse=True)
         return None, *grad_init, *tree_flatten(grad_xs)[0]

@@ -5,10 +5,8 @@ model stage, ``V`` model stages per stage group for a circular schedule) and
 sharded on "stage" (and "fsdp"); the layers before and after the body run
 data-parallel over the whole mesh. Where each tensor lives, and when it is
 gathered, is :mod:`xpipe.spmd.placement`'s. The clock loop (GPipe's, or
-circular's ``V`` rounds of it) is one XLA while loop traced as
-``torch_xla.experimental.scan`` traces it, so the program does not grow with the
-number of microbatches; :mod:`xpipe.spmd.loop` holds its weights once, not once
-per clock.
+circular's ``V`` rounds of it) is one ``torch_xla.experimental.scan`` (an XLA
+while loop), so the program does not grow with the number of microbatches.
 
 Inside the loop every operation is local to a device except the two shifts of
 :mod:`xpipe.spmd.conveyor`. The stage weights enter the loop already gathered,
@@ -27,6 +25,7 @@ import torch_xla.distributed.spmd as xs
 from torch import nn
 from torch.func import functional_call
 from torch.utils._pytree import tree_flatten, tree_map
+from torch_xla.experimental.scan import scan
 
 from xpipe._batch import check_outputs
 from xpipe._batchnorm import RunningStatistics
@@ -36,7 +35,6 @@ from xpipe.schedule import Schedule
 from xpipe.spmd.conveyor import SlotLayout, column_tables, from_slots, slot_layout, make_tick, to_slots
 from xpipe.spmd.dropout import cell_keys, hashed_dropout
 from xpipe.spmd.lowering import ShardableOps
-from xpipe.spmd.loop import scan_holding_once
 from xpipe.spmd.placement import Placement
 from xpipe.spmd.sides import Packing, packing_for
 from xpipe.spmd.stacked_weights import StackedWeights
@@ -191,8 +189,7 @@ class SpmdPipeline(nn.Module):
             if end > start:
                 columns = (reads[start:end], writes[start:end], from_ring[start:end], rounds[start:end],
                            keys[start:end])
-                carry = scan_holding_once(self._tick(recomputed, packing, ring), carry, columns,
-                                          held=lambda carry: carry[2:])  # the slot mask and weights
+                carry, _ = scan(self._tick(recomputed, packing, ring), carry, columns, is_fn_pure=True)
         return carry[1]
 
     def _step_seed(self, device: torch.device) -> torch.Tensor:

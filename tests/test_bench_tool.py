@@ -6,9 +6,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 BENCH = Path(__file__).parents[1] / "tools" / "bench.py"
 
 
+@pytest.mark.full  # 88 s: a tool's health, not the library's; every engine's exactness has quick tests of its own
 def test_the_benchmark_runs_every_row_and_every_engine_computes_the_same_loss(tmp_path):
     subprocess.run([sys.executable, str(BENCH), "--smoke", "--out", str(tmp_path)], check=True, timeout=1200,
                    capture_output=True)

@@ -36,12 +36,10 @@ from __future__ import annotations
 
 import argparse
 import copy
-import ctypes
 import os
 import shutil
 import statistics
 import tempfile
-import threading
 import time
 import warnings
 from concurrent.futures import Future
@@ -56,6 +54,7 @@ import torch.nn.functional as F  # noqa: E402
 import torch_xla  # noqa: E402
 
 import xpipe  # noqa: E402
+from xpipe._host_memory import PeakResident  # noqa: E402
 from xpipe.models import transformer_lm  # noqa: E402
 
 
@@ -71,39 +70,6 @@ def median_seconds(action, repeats: int = 9) -> float:
         if isinstance(pending, Future):
             pending.result()
     return statistics.median(times)
-
-
-class PeakResident:
-    """The process's peak resident memory while the block runs, sampled every
-    millisecond (freed heap handed back to the system first, so that what an
-    earlier save freed does not hide this one's growth)."""
-
-    def __enter__(self) -> PeakResident:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-        self.start = self.peak = _resident()
-        self._running = True
-        self._thread = threading.Thread(target=self._sample, daemon=True)
-        self._thread.start()
-        return self
-
-    def _sample(self) -> None:
-        while self._running:
-            self.peak = max(self.peak, _resident())
-            time.sleep(0.001)
-
-    def __exit__(self, *_) -> None:
-        self._running = False
-        self._thread.join()
-        self.peak = max(self.peak, _resident())
-
-    @property
-    def growth(self) -> int:
-        return self.peak - self.start
-
-
-def _resident() -> int:
-    with open("/proc/self/statm") as statm:
-        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
 def growth_during(action, repeats: int = 3) -> int:

@@ -14,6 +14,7 @@ with no gap and no overlap.
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import math
 import os
@@ -158,13 +159,27 @@ class PieceLoadPlanner(DefaultLoadPlanner):
                 self.state_dict[fqn] = pieces[tuple(path)]
 
     def finish_plan(self, new_plan: LoadPlan) -> LoadPlan:
+        """DCP's plan, its reads grouped by the destination they fill, in the order
+        each destination is first read: DCP reads in the plan's order, and the state
+        dict names a weight's AdamW states side by side, so without the grouping both
+        states' buffers (and, on the emulation, both new device tensors) would be
+        alive together."""
         plan = super().finish_plan(new_plan)
-        for item in plan.items:
+        first_read: dict[int, int] = {}
+        for position, item in enumerate(plan.items):
             destination = self._destination_of(item)
             if destination is not None:
                 self._unread[id(destination)] += 1
                 self._destinations[id(destination)] = destination
-        return plan
+                first_read.setdefault(id(destination), position)
+
+        def read_order(numbered: tuple[int, ReadItem]) -> int:
+            position, item = numbered
+            destination = self._destination_of(item)
+            return position if destination is None else first_read[id(destination)]
+
+        grouped = [item for _, item in sorted(enumerate(plan.items), key=read_order)]
+        return dataclasses.replace(plan, items=grouped)
 
     def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
         value = self.state_dict[index.fqn]

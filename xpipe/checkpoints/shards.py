@@ -16,11 +16,13 @@ from typing import Any
 
 import torch
 
+from xpipe._host_memory import give_back_freed_memory
 from xpipe._xla import (kept_shardings, load_local_shards, local_shard_places, local_shards, mark_sharding,
                         op_sharding, restore_shardings, sharding_spec, sync, synced_sharded, tensor_from_shards)
 
 
 WHOLE_FETCH_BYTES = 2**20  # a tensor this small reaches the host whole, not one slot at a time
+TRIM_AFTER_BYTES = 2**20  # a load hands freed memory back to the system after buffers this large
 
 
 
@@ -111,8 +113,11 @@ class ShardBuffers:
         action, self._when_filled = self._when_filled, None
         if action is None:
             return False
+        large = sum(buffer.numel() * buffer.element_size() for buffer in self._buffers.values()) >= TRIM_AFTER_BYTES
         changed = action(self)
         self._buffers = {}
+        if large:
+            give_back_freed_memory()  # else the next tensor's buffers grow the process (xpipe._host_memory)
         return changed
 
     def expect_read(self) -> None:

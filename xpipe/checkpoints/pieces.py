@@ -162,24 +162,20 @@ class PieceLoadPlanner(DefaultLoadPlanner):
         """DCP's plan, its reads grouped by the destination they fill, in the order
         each destination is first read: DCP reads in the plan's order, and the state
         dict names a weight's AdamW states side by side, so without the grouping both
-        states' buffers (and, on the emulation, both new device tensors) would be
-        alive together."""
+        states' buffers would fill, and be held, together."""
         plan = super().finish_plan(new_plan)
         first_read: dict[int, int] = {}
+        read_order = []  # per item: where its destination is first read (its own place if it has none)
         for position, item in enumerate(plan.items):
             destination = self._destination_of(item)
-            if destination is not None:
-                self._unread[id(destination)] += 1
-                self._destinations[id(destination)] = destination
-                first_read.setdefault(id(destination), position)
-
-        def read_order(numbered: tuple[int, ReadItem]) -> int:
-            position, item = numbered
-            destination = self._destination_of(item)
-            return position if destination is None else first_read[id(destination)]
-
-        grouped = [item for _, item in sorted(enumerate(plan.items), key=read_order)]
-        return dataclasses.replace(plan, items=grouped)
+            if destination is None:
+                read_order.append(position)
+                continue
+            self._unread[id(destination)] += 1
+            self._destinations[id(destination)] = destination
+            read_order.append(first_read.setdefault(id(destination), position))
+        grouped = sorted(range(len(plan.items)), key=read_order.__getitem__)
+        return dataclasses.replace(plan, items=[plan.items[position] for position in grouped])
 
     def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
         value = self.state_dict[index.fqn]

@@ -340,3 +340,14 @@ def test_a_hugging_face_pipe_is_exported_once(captures, schedule_builds):
     xpipe.Pipe(gpt2(layers=2), chunks=2, stages=2, executor="devices", sample_input={"input_ids": tokens(4)})
     assert captures == ["fx", "export"]  # fx cannot open the model: export captures it, once
     assert schedule_builds == ["gpipe"]
+
+
+def test_gather_choices_the_executor_cannot_honour_are_refused_by_name():
+    model = mlp_stack(blocks=4, width=16, inputs=8, outputs=4)
+    with pytest.raises(ValueError, match=r"gather: 'layer' is not a choice; use one of 'step', 'block'"):
+        xpipe.Pipe(model, chunks=2, stages=4, gather="layer")
+    with pytest.raises(ValueError, match=r"gather: 'block' .* pass checkpoint='always' with it "
+                                         r"\(got checkpoint='except_last'\)"):
+        xpipe.Pipe(model, chunks=2, stages=4, gather="block")
+    with pytest.raises(ValueError, match=r"gather: the devices executor holds each stage's weights whole"):
+        xpipe.Pipe(model, chunks=2, stages=4, executor="devices", gather="block", checkpoint="always")

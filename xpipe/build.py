@@ -49,6 +49,7 @@ class Options(NamedTuple):
     checkpoint: str
     deferred_batch_norm: bool
     tensor_rules: dict[str, int | None]
+    gather: str = "step"
 
 
 class Built(NamedTuple):
@@ -149,7 +150,7 @@ def build_spmd(capture: ModelCapture, options: Options) -> Built:
     for piece in [stacked.pre, *stacked.blocks, stacked.post]:
         place_constants_on(piece, device)
     runner = SpmdPipeline(stacked, mesh, schedule, options.chunks, options.checkpoint, device, tie_groups(module),
-                          dims)
+                          dims, options.gather)
     retire(module, [p for block in stacked.blocks for p in block.parameters()])
     return Built(runner, partition, schedule, mesh, [device])
 
@@ -160,6 +161,10 @@ def build_devices(capture: ModelCapture, options: Options) -> Built:
     if options.tensor_rules:
         raise ValueError("tensor_rules: the devices executor has no 'tensor' axis to split weights over; use "
                          "executor='spmd' with a mesh from xpipe.make_mesh(..., tensor=N), or leave them out")
+    if options.gather != "step":
+        raise ValueError(f"gather: the devices executor holds each stage's weights whole on its device, so there is "
+                         f"nothing to gather; gather={options.gather!r} is for executor='spmd' on a mesh with "
+                         "\"fsdp\" (leave gather out here)")
     if options.mesh is not None:
         raise ValueError("mesh: the devices executor puts one stage on each XLA device and takes no mesh; "
                          "leave mesh out, or use executor='spmd'")

@@ -31,6 +31,7 @@ from xpipe.checkpoints.state import CheckpointState
 from xpipe.partition import Partition
 from xpipe.recompute import check_mode
 from xpipe.schedule import Schedule, check_schedule
+from xpipe.spmd.placement import check_gather
 from xpipe.tensor_rules import check_rules
 
 
@@ -96,6 +97,14 @@ class Pipe(nn.Module):
             to None to keep a weight whole; tried before the built-in rules of
             :mod:`xpipe.tensor_rules`, which cover Llama-like models, GPT-2, BERT,
             T5 and ``nn.TransformerEncoderLayer``.
+        gather: spmd executor, on a mesh with "fsdp": when the body's weights are
+            gathered from their shards. ``"step"``: once per step, before the
+            clock loop (each device holds its stage's weights whole for the
+            step). ``"block"``: each block slot's weights inside the loop, right
+            before the block runs, and again for its backward (ZeRO-3): a device
+            holds one block's weights whole at a time, for an all-gather and a
+            reduce-scatter per block per clock. It recomputes every block, so it
+            takes ``checkpoint="always"``. See docs/scaling.md.
 
     Attributes:
         partition: the :class:`xpipe.Partition` in use.
@@ -127,6 +136,7 @@ class Pipe(nn.Module):
         executor: str = "auto",
         sample_input: Any = None,
         tensor_rules: Mapping[str, int | None] | None = None,
+        gather: str = "step",
     ) -> None:
         super().__init__()
         if not isinstance(module, nn.Module):
@@ -141,7 +151,7 @@ class Pipe(nn.Module):
             raise TypeError(f"loss_fn: expected a callable loss_fn(output, target), got {type(loss_fn).__name__}")
         self.__dict__["loss_fn"] = loss_fn  # not a submodule: the loss is not part of the model's state
         options = Options(self.chunks, stages, balance, mesh, schedule, self.virtual, self.checkpoint,
-                          deferred_batch_norm, check_rules(tensor_rules))
+                          deferred_batch_norm, check_rules(tensor_rules), check_gather(gather, self.checkpoint))
         capture = ModelCapture(module, sample_input)
         self.executor = choose_executor(executor, capture, options)
         self._original_keys = list(module.state_dict(keep_vars=True))

@@ -8,16 +8,21 @@ gathered, is :mod:`xpipe.spmd.placement`'s. The clock loop (GPipe's, or
 circular's ``V`` rounds of it) is one ``torch_xla.experimental.scan`` (an XLA
 while loop), so the program does not grow with the number of microbatches.
 
-Inside the loop every operation is local to a device except the two shifts of
-:mod:`xpipe.spmd.conveyor`. The stage weights enter the loop already gathered,
-one copy per device (``[S * P, K, ...]``, ``P`` devices per stage), so their
-gradients accumulate locally across clocks and are reduced over the stage's
-devices once, after the loop, by the backward of that gathering.
+With ``gather="step"`` every operation inside the loop is local to a device except
+the two shifts of :mod:`xpipe.spmd.conveyor` (and, with "tensor", the blocks' own
+reductions). The stage weights enter the loop already gathered, one copy per
+device (``[S * P, K, ...]``, ``P`` devices per stage), so their gradients
+accumulate locally across clocks and are reduced over the stage's devices once,
+after the loop, by the backward of that gathering. With ``gather="block"`` they
+enter as each device's resting shard, and each block slot gathers its own weights
+over "fsdp" right before it runs, every clock, and again when the backward
+recomputes it; each clock reduces the gradients it made back to the shards.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+import math
 from functools import partial
 
 import torch
@@ -72,8 +77,10 @@ class SpmdPipeline(nn.Module):
     """
 
     def __init__(self, stacked: StackedModel, mesh: xs.Mesh, schedule: Schedule, chunks: int, checkpoint: str,
-                 device: torch.device, keys: dict[str, tuple[str, ...]], dims: list[int | None]) -> None:
+                 device: torch.device, keys: dict[str, tuple[str, ...]], dims: list[int | None],
+                 gather: str = "step") -> None:
         super().__init__()
+        self.gather = gather
         self.mesh = mesh
         self.placement = Placement(mesh)
         self.stages = self.placement.axes.stage
@@ -178,8 +185,8 @@ class SpmdPipeline(nn.Module):
         keys = cell_keys(self._step_seed(slots.device), clocks, self.stages, self.replicas)
         state = self.placement.shard_batch(slots[:, 0].clone())  # idle cells run real rows (see conveyor)
         valid = self._valid_mask(slots)
-        weights = tuple(self.placement.gathered_body(w, split=dim is not None)
-                        for w, dim in zip(self.body.effective_weights(), self.body.dims))
+        place = self.placement.resting_body if self.gather == "block" else self.placement.gathered_body
+        weights = tuple(place(w, split=dim is not None) for w, dim in zip(self.body.effective_weights(), self.body.dims))
         weights += tuple(self.placement.per_device(c) for c in constants)  # they ride along
         weights += tuple(self.placement.per_device(carried) for carried, _ in self._block_constants.values())
         carry = (state, slots, valid, weights)
@@ -204,8 +211,11 @@ class SpmdPipeline(nn.Module):
         modes = tuple(module.training for module in self._template[0].modules())  # dropout on or off
         key = (recomputed, packing, modes, ring)
         if key not in self._ticks:
-            run = partial(self._run_stages, packing)
-            stages = partial(self._recomputed_stages, run) if recomputed else run
+            if self.gather == "block":
+                stages = partial(self._run_gathered_slots, packing)
+            else:
+                run = partial(self._run_stages, packing)
+                stages = partial(self._recomputed_stages, run) if recomputed else run
             self._ticks[key] = make_tick(self.stages, self.replicas, stages, ring)
         return self._ticks[key]
 
@@ -230,18 +240,66 @@ class SpmdPipeline(nn.Module):
         ``valid`` ``[V * K]``; ``round_`` the one-hot round ``[V]``; ``key`` the int32
         key of the cell (see :mod:`xpipe.spmd.dropout`).
         """
+        count = len(self.body.names)
+        valid, *blocks = (self._of_round(w, round_) for w in (valid, *weights[:count]))
+        for slot in range(self.depth):
+            x = self._run_one_block(packing, slot, tuple(w[slot] for w in blocks), weights[count:], valid[slot], x,
+                                    key)
+        return x
+
+    def _run_gathered_slots(self, packing: Packing, weights: tuple[torch.Tensor, ...], valid: torch.Tensor,
+                            state: torch.Tensor, rounds: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+        """All stages on all row groups, one block slot at a time, each slot's weights
+        gathered from their resting shards right before it runs (``gather="block"``).
+
+        Each slot is recomputed in the backward, its gather with it, so that what a clock
+        keeps for the backward is the slot's input and its shards: no gathered weight
+        outlives its block, forward or backward.
+        """
+        count = len(self.body.names)
+        shards, extras = weights[:count], weights[count:]
+        for slot in range(self.depth):
+            slot_shards = tuple(self._slot_of_round(w, slot, rounds) for w in shards)
+            slot_valid = self._slot_of_round(valid, slot, rounds)
+            run = partial(self._gathered_slot, packing, slot, len(extras))
+            state = recompute(run, state, keys, slot_valid, *extras, *slot_shards)
+        return state
+
+    def _gathered_slot(self, packing: Packing, slot: int, extra_count: int, state: torch.Tensor, keys: torch.Tensor,
+                       valid: torch.Tensor, *tensors: torch.Tensor) -> torch.Tensor:
+        extras, shards = tensors[:extra_count], tensors[extra_count:]
+        whole = tuple(self.placement.gathered_slot(shard, math.prod(shape), split=dim is not None)
+                      for shard, shape, dim in zip(shards, self.body.shapes, self.body.dims))
+        run = torch.vmap(partial(self._run_one_block, packing, slot))
+        return run(whole, extras, valid, state, keys)
+
+    def _run_one_block(self, packing: Packing, slot: int, block: tuple[torch.Tensor, ...],
+                       extras: tuple[torch.Tensor, ...], valid: torch.Tensor, x: torch.Tensor,
+                       key: torch.Tensor) -> torch.Tensor:
+        """Block slot ``slot`` on one replica: ``x`` ``[rows, F]`` packed as for
+        :meth:`_run_one_stage`, ``block`` each block weight ``[numel]``, ``extras`` the
+        constant side inputs then the block's own constants; an empty slot
+        (``valid`` 0) passes the stream through."""
         stream, *per_row = packing.unpack(x)
-        per_row, constants = iter(per_row), iter(weights[len(self.body.names):])
+        per_row, constants = iter(per_row), iter(extras)
         sides = [next(per_row) if rows else next(constants) for rows in self.side_rows]
         own_constants = {name: next(constants).to(dtype) for name, (_, dtype) in self._block_constants.items()}
-        valid, *blocks = (self._of_round(w, round_) for w in (valid, *weights[:len(self.body.names)]))
-        for slot in range(self.depth):
-            params = {name: self.body.unstored(index, w[slot]) for index, (name, w) in
-                      enumerate(zip(self.body.names, blocks))} | own_constants
-            with ShardableOps(), hashed_dropout(key, slot):
-                y = functional_call(self._template[0], params, (stream, *sides))
-            stream = torch.where(valid[slot] > 0, y, stream)
-        return packing.with_stream(x, stream)
+        params = {name: self.body.unstored(index, w) for index, (name, w) in
+                  enumerate(zip(self.body.names, block))} | own_constants
+        with ShardableOps(), hashed_dropout(key, slot):
+            y = functional_call(self._template[0], params, (stream, *sides))
+        return packing.with_stream(x, torch.where(valid > 0, y, stream))
+
+    def _slot_of_round(self, stacked: torch.Tensor, slot: int, rounds: torch.Tensor) -> torch.Tensor:
+        """``[S * P, V * K, ...] -> [S * P, ...]``: slot ``slot`` of each device's current
+        round (``rounds`` one-hot ``[S * P, V]``), picked by a product, locally.
+
+        The product is taken with one round too: it makes the pick a value of the clock,
+        so XLA cannot hoist the gather that follows out of the loop (it did: every
+        slot's weights whole before the loop, as ``gather="step"``).
+        """
+        per_round = stacked.unflatten(1, (self.virtual, self.depth))[:, :, slot]
+        return (per_round * rounds.view(*rounds.shape, *[1] * (per_round.dim() - 2))).sum(1)
 
     def _of_round(self, slots: torch.Tensor, round_: torch.Tensor) -> torch.Tensor:
         """``[V * K, ...] -> [K, ...]``: the slots of the round ``round_`` (one-hot ``[V]``)

@@ -3,12 +3,14 @@ of :mod:`xpipe.layout` (nothing that trains replicated over "stage" or "fsdp";
 "data" replicates), and gathered whole for a step.
 
 Gradients take their weight's sharding (a hook annotates each one), and the
-optimizer's state follows the gradient it is computed from. For a step the
-weights are gathered once, before the clock loop: the body's into a per-device
-copy ``[S * P, V * K, numel]`` (``P`` devices per stage), the outer layers' into
-one whole copy each. Their gradients come back the same way, reduced once, after
-the loop (a reduce-scatter over "fsdp", an all-reduce over "data"). Nothing is
-gathered or reduced per microbatch or per clock.
+optimizer's state follows the gradient it is computed from. The outer layers'
+weights are gathered once per step into one whole copy each. The body's are
+gathered as :data:`GATHERS` says: once per step (``"step"``), before the clock
+loop, into a per-device copy ``[S * P, V * K, numel]`` (``P`` devices per stage),
+whose gradients come back the same way, reduced once, after the loop (a
+reduce-scatter over "fsdp", an all-reduce over "data"); or per block slot
+(``"block"``), inside the loop, from a per-device copy of each resting shard,
+whose gradients are reduced over "fsdp" in the clock that made them.
 """
 
 from __future__ import annotations
@@ -19,6 +21,20 @@ from torch import nn
 
 from xpipe.layout import MeshAxes, Spec, outer_spec, stacked_spec
 from xpipe.mesh import axes_of
+
+GATHERS = ("step", "block")  # when the body's weights are gathered: once per step, or per block slot in the loop
+
+
+def check_gather(gather: object, checkpoint: str) -> str:
+    """``gather`` if it is one of :data:`GATHERS` that ``checkpoint`` allows; else
+    raise naming the argument and the way out."""
+    if gather not in GATHERS:
+        raise ValueError(f"gather: {gather!r} is not a choice; use one of {', '.join(map(repr, GATHERS))}")
+    if gather == "block" and checkpoint != "always":
+        raise ValueError(f"gather: 'block' lets go of each block's gathered weights after the block runs, so its "
+                         f"backward gathers them again and recomputes the block; pass checkpoint='always' with it "
+                         f"(got checkpoint={checkpoint!r}), or gather='step'")
+    return gather
 
 
 class Placement:
@@ -94,6 +110,49 @@ class Placement:
         if split:
             spec[-1] = "tensor"
         return self.annotated(copies, tuple(spec))
+
+    def resting_body(self, per_stage: torch.Tensor, *, split: bool = False) -> torch.Tensor:
+        """``[S, V * K, numel] -> [S * P, V * K, parts, c]``: each row group's own copy of
+        its resting shard, for gathering one block slot at a time inside the clock loop
+        (:meth:`gathered_slot`). ``parts`` is the "tensor" count for a weight that
+        ``split`` says "tensor" splits (each device keeps its own part), else 1;
+        ``c`` a part's share per "fsdp" device, the part padded to divide.
+
+        Made once, before the loop: no more than a copy over "data" (and, for a weight
+        kept whole over "tensor", a gather over it), never over "fsdp".
+        """
+        stages, slots, numel = per_stage.shape
+        parts = self.axes.tensor if split else 1
+        fsdp, data = self.axes.fsdp, self.axes.data
+        per_part = numel // parts
+        share = -(-per_part // fsdp)
+        grid = per_stage.reshape(stages, slots, parts, per_part)
+        if share * fsdp != per_part:
+            grid = torch.nn.functional.pad(grid, (0, share * fsdp - per_part))
+        grid = grid.reshape(stages, slots, parts, fsdp, share).permute(0, 3, 1, 2, 4)  # [S, F, VK, parts, c]
+        copies = grid.unsqueeze(1).expand(stages, data, fsdp, slots, parts, share)
+        copies = copies.reshape(stages * self.replicas, slots, parts, share)
+        return self.annotated(copies, (self.batch_axes, None, "tensor" if split else None, None))
+
+    def gathered_slot(self, shard: torch.Tensor, numel: int, *, split: bool = False) -> torch.Tensor:
+        """``[S * P, parts, c] -> [S * P, numel]``: one block slot's weight, from each
+        device's resting shard (:meth:`resting_body`) to its stage's whole weight (each
+        "tensor" device's part of it where ``split``), by an all-gather over "fsdp".
+
+        Its backward reduces the slot's gradient back to each device's shard over
+        "fsdp", once per use: the ZeRO-3 form, with one block's weights whole at once.
+        """
+        devices, parts, share = shard.shape
+        fsdp = self.axes.fsdp
+        part_axis = "tensor" if split else None
+        # Annotated as it rests, the gradient too: unannotated, XLA moved the gradient of a
+        # weight kept whole over "tensor" between devices every clock.
+        shard = xs.mark_sharding_with_gradients(shard, self.mesh, (self.batch_axes, part_axis, None))
+        groups = devices // fsdp  # S * D: the fsdp groups
+        whole = shard.reshape(groups, fsdp, parts, share).transpose(1, 2).reshape(groups, parts, fsdp * share)
+        whole = whole[..., :numel // parts].reshape(groups, numel)
+        copies = whole.unsqueeze(1).expand(groups, fsdp, numel).reshape(devices, numel)
+        return xs.mark_sharding_with_gradients(copies, self.mesh, (self.batch_axes, part_axis))
 
     def per_device(self, constant: torch.Tensor) -> torch.Tensor:
         """``[...] -> [S * P, ...]``: a copy of a constant side input for every row group."""

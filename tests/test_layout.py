@@ -41,8 +41,13 @@ def test_the_memory_model_on_a_literal_example():
     assert (memory.parameters, memory.gradients, memory.optimizer) == (6144, 6144, 12288)
     assert memory.resting == 24576
     assert memory.gathered == 2 * (4 * 1024 + 128 * 32) * 4  # a stage's body and the embedding, with gradients
+    assert memory.kept_per_clock == 4 * 1024 * 4  # the clock loop keeps the stage's gathered body each clock
     replicated = per_device(stacked=[(2, 4, 1024)], outer=[(128, 32)], axes=MeshAxes(stage=2, data=4))
     assert replicated.parameters == (4 * 1024 + 128 * 32) * 4
+    per_block = per_device(stacked=[(2, 4, 1024)], outer=[(128, 32)], axes=FSDP, gather="block")
+    assert per_block.resting == memory.resting
+    assert per_block.gathered == 2 * (1024 + 128 * 32) * 4  # one block slot's weight, and the embedding
+    assert per_block.kept_per_clock == 1024 * 4  # each device's resting shard of the stage's body
 
 
 @pytest.mark.parametrize("arguments, refusal", [
@@ -55,6 +60,7 @@ def test_the_memory_model_on_a_literal_example():
     (dict(itemsize=0), r"itemsize: must be a positive integer, got 0"),
     (dict(optimizer_states=-1), r"optimizer_states: the tensors the optimizer keeps per weight, a whole number >= 0"),
     (dict(optimizer_itemsize=2.5), r"optimizer_itemsize: must be a positive integer, got 2.5"),
+    (dict(gather="layer"), r"gather: 'layer' is not a choice; use one of 'step', 'block'"),
 ])
 def test_the_memory_model_refuses_arguments_it_cannot_count(arguments, refusal):
     """A block's own shapes where stacked ones belong were counted (2256 bytes for 576)."""

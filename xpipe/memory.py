@@ -16,7 +16,7 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from xpipe._checks import check_optimizer_states, check_positive_int
+from xpipe._checks import check_gather, check_optimizer_states, check_positive_int
 from xpipe.layout import MeshAxes, outer_spec, shard_numel, stacked_spec
 
 
@@ -27,7 +27,9 @@ class DeviceMemory:
     parameters: int  # the weights at rest
     gradients: int  # their gradients, sharded as the weights
     optimizer: int  # the optimizer's per-parameter state (AdamW: two tensors per weight)
-    gathered: int  # during a step: the whole weights of its stage and of the outer layers, and their gradients
+    gathered: int  # during a step: the whole weights of its stage (or of a block slot) and of the outer layers,
+    # and their gradients
+    kept_per_clock: int = 0  # the body's weights the clock loop keeps for its backward, with every clock
 
     @property
     def resting(self) -> int:
@@ -42,7 +44,7 @@ class DeviceMemory:
 
 def per_device(*, stacked: Iterable[tuple[int, ...]], outer: Iterable[tuple[int, ...]], axes: MeshAxes,
                split: Iterable[bool] = (), itemsize: int = 4, optimizer_states: int = 2,
-               optimizer_itemsize: int | None = None) -> DeviceMemory:
+               optimizer_itemsize: int | None = None, gather: str = "step") -> DeviceMemory:
     """Bytes per device of the spmd executor's weights on a mesh of ``axes``.
 
     Args:
@@ -55,6 +57,9 @@ def per_device(*, stacked: Iterable[tuple[int, ...]], outer: Iterable[tuple[int,
         optimizer_states: tensors shaped like a weight that the optimizer keeps for
             it (AdamW and Adam 2, SGD with momentum 1, plain SGD 0).
         optimizer_itemsize: bytes per element of that state; ``itemsize`` by default.
+        gather: when the body's weights are gathered (``Pipe``'s ``gather``): ``"step"``,
+            a stage's slice of each whole for the step; ``"block"``, one block slot's
+            at a time.
 
     Raises:
         ValueError: naming the argument that is not what it should be (a stacked
@@ -62,18 +67,26 @@ def per_device(*, stacked: Iterable[tuple[int, ...]], outer: Iterable[tuple[int,
             among them, for one).
     """
     stacked, outer, split = _checked(stacked, outer, axes, split, itemsize, optimizer_states, optimizer_itemsize)
+    check_gather(gather)
     body = sum(shard_numel(shape, stacked_spec(axes), axes) for shape in stacked)
     around = sum(shard_numel(shape, outer_spec(shape, axes), axes) for shape in outer)
     parameters = (body + around) * itemsize
-    # The step's gathered copies: one stage's slice of the body (a tensor device's
-    # share of it where "tensor" splits a weight) and the outer layers whole (already
-    # whole at rest without fsdp or tensor), each with a gradient of its size.
+    # The step's gathered copies: one stage's slice of the body, or of one block slot
+    # (a tensor device's share of it where "tensor" splits a weight), and the outer
+    # layers whole (already whole at rest without fsdp or tensor), each with a gradient
+    # of its size.
     stage_body = sum(shard_numel(shape, ("stage", None, "tensor" if cut else None), axes)
-                     for shape, cut in zip(stacked, split))
+                     // (shape[1] if gather == "block" else 1) for shape, cut in zip(stacked, split))
     whole_outer = sum(math.prod(shape) for shape in outer) if axes.sharding else 0
     gathered = 2 * (stage_body + whole_outer) * itemsize
+    # torch_xla's scan keeps what its backward reads once per clock, the loop's weights too
+    # (measured: XLA's peak grows by them with every clock): gathered whole for the step,
+    # or each device's resting shard of them when every block slot gathers its own.
+    kept = body if gather == "block" else sum(shard_numel(shape, ("stage", None, "tensor" if cut else None), axes)
+                                               for shape, cut in zip(stacked, split))
     state_itemsize = itemsize if optimizer_itemsize is None else optimizer_itemsize
-    return DeviceMemory(parameters, parameters, (body + around) * optimizer_states * state_itemsize, gathered)
+    return DeviceMemory(parameters, parameters, (body + around) * optimizer_states * state_itemsize, gathered,
+                        kept * itemsize)
 
 
 def _checked(stacked: Iterable[tuple[int, ...]], outer: Iterable[tuple[int, ...]], axes: MeshAxes,

@@ -24,14 +24,13 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
 from xpipe._batch import batch_size, check_floating_inputs
-from xpipe._checks import check_positive_int
+from xpipe._checks import check_gather, check_positive_int
 from xpipe._xla import kept_shardings, restore_shardings
 from xpipe.build import ModelCapture, Options, build_devices, build_spmd, choose_executor
 from xpipe.checkpoints.state import CheckpointState
 from xpipe.partition import Partition
 from xpipe.recompute import check_mode
 from xpipe.schedule import Schedule, check_schedule
-from xpipe.spmd.placement import check_gather
 from xpipe.tensor_rules import check_rules
 
 

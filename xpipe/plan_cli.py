@@ -20,6 +20,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from xpipe._checks import GATHERS
 from xpipe.planner import GiB, KINDS, PRESETS, Plan, Prediction, plan, preset
 
 # Meta's published configs (config.json of each model), the fields that shape the model.
@@ -66,6 +67,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--optimizer", choices=sorted(OPTIMIZER_STATES), default="adamw")
     parser.add_argument("--checkpoint", nargs="+", default=["except_last", "always"],
                         help="recomputation policies to consider (default: except_last always)")
+    parser.add_argument("--gather", nargs="+", default=list(GATHERS),
+                        help="when the body's weights are gathered: step, block (Pipe's gather; default: both)")
     parser.add_argument("--slices", type=int, default=1, help="TPU slices; the stage axis crosses them")
     parser.add_argument("--top", type=int, default=10, help="layouts to list (default: 10)")
     parser.add_argument("--plot", help="FILE.png or FILE.svg: the listed layouts' memory per device by kind")
@@ -81,7 +84,7 @@ def _plan(arguments: argparse.Namespace) -> Plan:
     return plan(model, devices=arguments.devices, batch=arguments.batch, chip=chip, memory_per_device=memory,
                 sample_input=sample, seq=arguments.seq, itemsize=DTYPES[arguments.dtype],
                 optimizer_states=OPTIMIZER_STATES[arguments.optimizer], checkpoints=tuple(arguments.checkpoint),
-                slices=arguments.slices)
+                gathers=tuple(arguments.gather), slices=arguments.slices)
 
 
 def _model(arguments: argparse.Namespace) -> tuple[Any, Any]:
@@ -146,7 +149,7 @@ def report(result: Plan, top: int) -> str:
              "(step time: a lower bound, at peak FLOP/s and link bandwidth, no overlap)"]
     if result.fitting:
         lines.append(f"{'#':>3}  {'stage':>5} {'data':>4} {'fsdp':>4} {'tensor':>6}  {'schedule':<12} "
-                     f"{'chunks':>6}  {'checkpoint':<11} {'GiB/device':>10}  "
+                     f"{'chunks':>6}  {'checkpoint':<11} {'gather':<6} {'GiB/device':>10}  "
                      f"({' '.join(k[:5] for k in KINDS)})  {'bubble':>6}  {'step s':>8}")
         for index, prediction in enumerate(result.fitting[:top], 1):
             lines.append(_row(index, prediction))
@@ -175,7 +178,7 @@ def _row(index: int, prediction: Prediction) -> str:
     layout = prediction.layout
     parts = " ".join(f"{prediction.memory[kind] / GiB:5.2f}" for kind in KINDS)
     return (f"{index:>3}  {layout.stages:>5} {layout.data:>4} {layout.fsdp:>4} {layout.tensor:>6}  {layout.schedule_label:<12} "
-            f"{layout.chunks:>6}  {layout.checkpoint:<11} {prediction.bytes / GiB:>10.2f}  ({parts})  "
+            f"{layout.chunks:>6}  {layout.checkpoint:<11} {layout.gather:<6} {prediction.bytes / GiB:>10.2f}  ({parts})  "
             f"{prediction.bubble:>6.3f}  {prediction.step_seconds:>8.3f}")
 
 
@@ -193,7 +196,8 @@ def draw(result: Plan, path: str, top: int) -> None:
         shown = [*shown, pure]
     figure, axis = plt.subplots(figsize=(11, 0.45 * len(shown) + 1.6))
     labels = [f"{p.layout.stages}s {p.layout.data}d {p.layout.fsdp}f {p.layout.tensor}t, {p.layout.schedule_label}, "
-              f"M={p.layout.chunks}, {p.layout.checkpoint}{'' if p.fits else ' (does not fit)'}" for p in shown]
+              f"M={p.layout.chunks}, {p.layout.checkpoint}, gather {p.layout.gather}"
+              f"{'' if p.fits else ' (does not fit)'}" for p in shown]
     left = [0.0] * len(shown)
     for kind in KINDS:
         widths = [p.memory[kind] / GiB for p in shown]

@@ -22,7 +22,7 @@ from typing import Any
 
 from torch import nn
 
-from xpipe._checks import check_optimizer_states, check_positive_int
+from xpipe._checks import GATHERS, check_gather, check_optimizer_states, check_positive_int
 from xpipe.recompute import MODES, kept_cells
 from xpipe.layout import MeshAxes, microbatch_slots, spread
 from xpipe.memory import per_device
@@ -69,6 +69,7 @@ class Layout:
     schedule: str = "gpipe"  # or "circular"
     virtual: int = 1  # rounds of the ring (circular)
     checkpoint: str = "except_last"
+    gather: str = "step"  # or "block": the body's weights gathered per block slot inside the loop
 
     @property
     def axes(self) -> MeshAxes:
@@ -91,7 +92,7 @@ class Layout:
 
     def __str__(self) -> str:
         return (f"{self.stages} stage x {self.data} data x {self.fsdp} fsdp x {self.tensor} tensor, "
-                f"{self.schedule_label}, chunks {self.chunks}, checkpoint {self.checkpoint}")
+                f"{self.schedule_label}, chunks {self.chunks}, checkpoint {self.checkpoint}, gather {self.gather}")
 
 
 @dataclass(frozen=True)
@@ -154,7 +155,7 @@ def plan(model: nn.Module | ModelProfile | Any, *, devices: int, batch: int, chi
          memory_per_device: int | None = None, sample_input: Any = None, seq: int = 2048,
          itemsize: int | None = None, optimizer_states: int = 2,
          checkpoints: tuple[str, ...] = ("except_last", "always"), max_tensor: int = 8,
-         tensor_rules: Rules | None = None, slices: int = 1) -> Plan:
+         tensor_rules: Rules | None = None, slices: int = 1, gathers: tuple[str, ...] = GATHERS) -> Plan:
     """Every layout of ``model`` on ``devices`` chips for a global batch of ``batch``
     rows, predicted; those within ``memory_per_device`` (the chip's HBM by default)
     best first.
@@ -174,6 +175,8 @@ def plan(model: nn.Module | ModelProfile | Any, *, devices: int, batch: int, chi
             optimizer's state is kept in the same dtype, as torch's optimizers keep it.
         optimizer_states: tensors the optimizer keeps per weight (AdamW 2).
         checkpoints: the recomputation policies to consider.
+        gathers: when the body's weights may be gathered (``Pipe``'s ``gather``): per
+            ``"step"``, and per ``"block"`` (with fsdp, and ``checkpoint="always"``).
         max_tensor: the largest tensor size (tensor groups stay within a host's chips).
         tensor_rules: as ``Pipe``'s, for the block weights' split dims.
         slices: TPU slices; the stage axis crosses them (DCN), the others stay inside.
@@ -195,11 +198,16 @@ def plan(model: nn.Module | ModelProfile | Any, *, devices: int, batch: int, chi
     bad = [mode for mode in checkpoints if mode not in MODES]
     if bad or not checkpoints:
         raise ValueError(f"checkpoints: {bad or 'none'} given; use some of {', '.join(MODES)}")
+    if not gathers or isinstance(gathers, str):
+        raise ValueError(f"gathers: a tuple of some of {', '.join(map(repr, GATHERS))}, got {gathers!r}")
+    for gather in gathers:
+        check_gather(gather)
     if slices > 1 and chip.dcn_bandwidth is None:
         raise ValueError(f"slices: {chip.name} has no published DCN bandwidth; give a Chip with dcn_bandwidth")
     predictions = [predict(profile, layout, chip=chip, batch=batch, capacity=capacity, itemsize=itemsize,
                            optimizer_states=optimizer_states, tensor_rules=tensor_rules, slices=slices)
-                   for layout in layouts(profile, devices, batch, checkpoints, max_tensor, tensor_rules, slices)]
+                   for layout in layouts(profile, devices, batch, checkpoints, max_tensor, tensor_rules, slices)
+                   if layout.gather in gathers]
     fitting = sorted((p for p in predictions if p.fits), key=lambda p: (p.step_seconds, p.bytes))
     refused = sorted((p for p in predictions if not p.fits), key=lambda p: p.bytes)
     return Plan(profile, chip, devices, batch, capacity, fitting, refused)
@@ -252,6 +260,9 @@ def layouts(profile: ModelProfile, devices: int, batch: int, checkpoints: tuple[
                     for schedule, virtual in _schedules(profile.blocks, stages):
                         for checkpoint in checkpoints:
                             yield Layout(stages, data, fsdp, tensor, chunks, schedule, virtual, checkpoint)
+                            if fsdp > 1 and checkpoint == "always":  # per block recomputes every block
+                                yield Layout(stages, data, fsdp, tensor, chunks, schedule, virtual, checkpoint,
+                                             "block")
 
 
 def _chunk_counts(stages: int) -> list[int]:
@@ -279,12 +290,15 @@ def predict(profile: ModelProfile, layout: Layout, *, chip: Chip, batch: int, ca
     names, shapes = zip(*profile.block_weights)
     split = [dim is not None for dim in tensor_dims(names, shapes, layout.tensor, tensor_rules)]
     stacked = [(layout.stages, layout.virtual * depth, math.prod(shape)) for shape in shapes]
+    check_gather(layout.gather, layout.checkpoint)
     weights = per_device(stacked=stacked, outer=profile.outer_weights, axes=axes, split=split, itemsize=itemsize,
-                         optimizer_states=optimizer_states)
+                         optimizer_states=optimizer_states, gather=layout.gather)
     rows = max(1, -(-batch // (layout.chunks * axes.row_groups)))  # of one microbatch, on one device
     activations = _activation_bytes(profile, layout, schedule, depth, rows, batch)
+    # The loop keeps, per clock, the weights of the round it runs (a circular stage holds V rounds' slots).
+    gathered = weights.gathered + len(schedule.forward_clocks()) * weights.kept_per_clock // layout.virtual
     memory = {"parameters": weights.parameters, "gradients": weights.gradients, "optimizer": weights.optimizer,
-              "gathered": weights.gathered, "activations": activations}
+              "gathered": gathered, "activations": activations}
     communication = _communication(profile, layout, schedule, depth, rows, itemsize, split, stacked)
     seconds = _seconds(profile, layout, schedule, depth, rows, batch, chip, communication, weights.resting, slices)
     return Prediction(layout, memory, schedule.bubble_fraction, communication, seconds,
@@ -298,12 +312,15 @@ def _activation_bytes(profile: ModelProfile, layout: Layout, schedule: Schedule,
     recomputed cell's working set, and the layers around the body on the device's rows."""
     stream = rows * profile.stream_bytes_per_row
     cell = depth * rows * profile.block_saved_bytes_per_row / layout.tensor  # one stage's blocks, one microbatch
+    # What a recomputed cell keeps: its input, or per block (each slot recomputed on its own)
+    # every block's input.
+    recomputed = stream * (depth if layout.gather == "block" else 1)
     slots = microbatch_slots(layout.chunks, layout.stages)
     cells = schedule.chunks * layout.virtual  # per rank
     busiest = 0
     for keeps in _kept_per_rank(schedule, layout.checkpoint):
         recomputing = cells - keeps
-        busiest = max(busiest, recomputing * stream + keeps * cell + (cell if recomputing else 0))
+        busiest = max(busiest, recomputing * recomputed + keeps * cell + (cell if recomputing else 0))
     return int((slots + 1) * stream + busiest + layout.outer_rows(batch) * profile.outer_saved_bytes_per_row)
 
 
@@ -312,13 +329,19 @@ def _communication(profile: ModelProfile, layout: Layout, schedule: Schedule, de
     """Bytes one device sends per step along each axis (ring collectives)."""
     axes = layout.axes
     stage_weights = sum(slots * n // (layout.tensor if cut else 1) for (_, slots, n), cut in zip(stacked, split))
-    gathered = (stage_weights + sum(math.prod(shape) for shape in profile.outer_weights)) * itemsize
+    outer_weights = sum(math.prod(shape) for shape in profile.outer_weights)
+    gathered = (stage_weights + outer_weights) * itemsize
+    # Gathered once, the weights cross "fsdp" twice a step (their gather, their gradients' reduce-scatter);
+    # per block, every clock gathers its round's slots twice (the forward, the recomputation) and reduces once.
+    fsdp_bytes = 2 * gathered
+    if layout.gather == "block":
+        fsdp_bytes = (3 * len(schedule.forward_clocks()) * stage_weights / layout.virtual + 2 * outer_weights) * itemsize
     cells = schedule.chunks * layout.virtual
     tensor_reductions = cells * depth * (4 + 2 * _recomputes(schedule, layout.checkpoint))  # Megatron: 2 + 2 a block
     hidden = rows * profile.stream_bytes_per_row
     return {
         "stage": schedule.clocks * hidden if axes.stage > 1 else 0.0,
-        "fsdp": 2 * _ring(axes.fsdp) * gathered,  # all-gather of the weights, reduce-scatter of their gradients
+        "fsdp": _ring(axes.fsdp) * fsdp_bytes,
         "data": 2 * _ring(axes.data) * gathered / axes.fsdp,  # all-reduce of the fsdp-sharded gradients
         "tensor": tensor_reductions * 2 * _ring(axes.tensor) * hidden,
     }

@@ -1,12 +1,12 @@
 """Weight placement for the spmd executor: each tensor sharded at rest by the rules
 of :mod:`xpipe.layout` (nothing that trains replicated over "stage" or "fsdp";
-"data" replicates), and gathered whole for a step.
+"data" replicates), and gathered whole for a step, or for a block slot.
 
 Gradients take their weight's sharding (a hook annotates each one), and the
 optimizer's state follows the gradient it is computed from. The outer layers'
 weights are gathered once per step into one whole copy each. The body's are
-gathered as :data:`GATHERS` says: once per step (``"step"``), before the clock
-loop, into a per-device copy ``[S * P, V * K, numel]`` (``P`` devices per stage),
+gathered as ``Pipe``'s ``gather`` says: once per step (``"step"``), before the
+clock loop, into a per-device copy ``[S * P, V * K, numel]`` (``P`` devices per stage),
 whose gradients come back the same way, reduced once, after the loop (a
 reduce-scatter over "fsdp", an all-reduce over "data"); or per block slot
 (``"block"``), inside the loop, from a per-device copy of each resting shard,
@@ -22,19 +22,6 @@ from torch import nn
 from xpipe.layout import MeshAxes, Spec, outer_spec, stacked_spec
 from xpipe.mesh import axes_of
 
-GATHERS = ("step", "block")  # when the body's weights are gathered: once per step, or per block slot in the loop
-
-
-def check_gather(gather: object, checkpoint: str) -> str:
-    """``gather`` if it is one of :data:`GATHERS` that ``checkpoint`` allows; else
-    raise naming the argument and the way out."""
-    if gather not in GATHERS:
-        raise ValueError(f"gather: {gather!r} is not a choice; use one of {', '.join(map(repr, GATHERS))}")
-    if gather == "block" and checkpoint != "always":
-        raise ValueError(f"gather: 'block' lets go of each block's gathered weights after the block runs, so its "
-                         f"backward gathers them again and recomputes the block; pass checkpoint='always' with it "
-                         f"(got checkpoint={checkpoint!r}), or gather='step'")
-    return gather
 
 
 class Placement:

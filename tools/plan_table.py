@@ -1,10 +1,12 @@
 """The table in docs/planning.md: xpipe's plan for public Llama 3 sizes on a few pods.
 
-    python tools/plan_table.py        # a markdown table, about a minute
+    python tools/plan_table.py        # markdown tables, about a minute
 
-Each row is one ``xpipe.plan`` (the model built on the meta device from Meta's
-published config): the fastest layout that fits, its predicted bytes per device
-and step time, and the smallest pure-pipeline layout's bytes.
+Each row of the first is one ``xpipe.plan`` (the model built on the meta device
+from Meta's published config): the fastest layout that fits, its predicted bytes
+per device and step time, and the smallest pure-pipeline layout's bytes. The
+second is issue 36's reference jobs, planned gathering once per step only and
+with gathering per block allowed.
 """
 
 from __future__ import annotations
@@ -23,9 +25,39 @@ CASES = [  # model, chip, chips, batch (sequences), sequence length
 ]
 
 
+REFERENCE_JOBS = [  # model, chip, chips, batch (sequences of 2048), bytes a chip may hold (None: its HBM)
+    ("llama3-8b", "v5e", 64, 256, None),
+    ("llama3-70b", "v5e", 256, 256, None),
+    ("llama3-70b", "v5e", 256, 32, None),
+    ("llama3-405b", "v5p", 1024, 1024, None),
+    ("llama3-405b", "v5p", 1024, 1024, 48 * GiB),
+]
+
+
+def verdict(result) -> str:
+    """The fastest layout that fits, or the smallest and its two largest parts."""
+    if result.fitting:
+        best = result.fitting[0]
+        return f"{best.layout}: {best.bytes / GiB:.2f} GiB, {best.step_seconds:.2f} s"
+    smallest = result.least_memory()
+    largest = sorted(smallest.memory, key=smallest.memory.get, reverse=True)[:2]
+    parts = ", ".join(f"{kind} {smallest.memory[kind] / GiB:.2f}" for kind in largest)
+    return f"none fits (smallest {smallest.bytes / GiB:.2f} GiB: {parts})"
+
+
+def reference_jobs() -> None:
+    print("| job | gathered per step only | per block allowed |")
+    print("| --- | --- | --- |")
+    for name, chip, chips, batch, memory in REFERENCE_JOBS:
+        cells = [verdict(plan(llama3_config(name), devices=chips, batch=batch, chip=chip, memory_per_device=memory,
+                              gathers=gathers)) for gathers in (("step",), ("step", "block"))]
+        within = "" if memory is None else f", within {memory / GiB:.0f} GiB"
+        print(f"| {name}, {chips} x {chip}, {batch} x 2048{within} | {cells[0]} | {cells[1]} |")
+
+
 def main() -> None:
     print("| model | chips | batch x seq | layouts that fit | fastest: stage x data x fsdp x tensor, schedule, "
-          "chunks, checkpoint | GiB per device | step s (lower bound) | bubble | pure pipeline, smallest |")
+          "chunks, checkpoint, gather | GiB per device | step s (lower bound) | bubble | pure pipeline, smallest |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for name, chip, chips, batch, seq in CASES:
         result = plan(llama3_config(name), devices=chips, batch=batch, chip=chip, seq=seq)
@@ -35,7 +67,7 @@ def main() -> None:
             best = result.fitting[0]
             layout = best.layout
             described = (f"{layout.stages} x {layout.data} x {layout.fsdp} x {layout.tensor}, {layout.schedule_label}, "
-                         f"{layout.chunks}, {layout.checkpoint}")
+                         f"{layout.chunks}, {layout.checkpoint}, {layout.gather}")
             numbers = f"{best.bytes / GiB:.1f} | {best.step_seconds:.2f} | {best.bubble:.2f}"
         else:
             smallest = result.least_memory()
@@ -49,3 +81,5 @@ def main() -> None:
 if __name__ == "__main__":
     argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     main()
+    print()
+    reference_jobs()

@@ -12,7 +12,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from xpipe.recompute import check_mode, recompute
 from xpipe.collectives import shift
-from xpipe.inspect import collectives
+from xpipe.inspect import CommunicationReport, collectives, loop_trips
 from xpipe.spmd.dropout import hashed_dropout
 from xpipe.spmd.lowering import ShardableOps, layer_norm
 from xpipe.spmd.sides import packing_for
@@ -65,7 +65,7 @@ HloModule step
 }
 
 ENTRY %main () -> f32[] {
-  %w = (f32[2]) while(%t), condition=%cond, body=%body
+  %w = (f32[2]) while(%t), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"7"},"known_init_step":{"init":"0","step":"1"}}
   %ar = f32[4,8]{1,0} all-reduce(%g), channel_id=2, replica_groups={{0,1},{2,3}}, to_apply=%add
   %ag = bf16[16]{0} all-gather-start(%h), replica_groups=[2,2]<=[2,2]T(1,0), dimensions={0}
 }
@@ -111,6 +111,17 @@ def test_hlo_parser_reads_kinds_sizes_groups_and_loops():
     assert found[0].groups == ((0, 2), (1, 3))
     assert found[1].groups == ((0, 1), (2, 3))
     assert found[2].groups == ((0, 2), (1, 3))
+
+
+def test_the_per_iteration_view_gives_each_loop_body_its_collectives_and_trip_count():
+    report = CommunicationReport(tuple(collectives(HLO)), "step.txt", None, loop_trips(HLO))
+    (body,) = report.loops()
+    assert (body.name, body.trips) == ("body", 7)
+    assert body.count("collective-permute") == 1 and body.bytes_of("collective-permute") == 16
+    assert body.count("all-reduce") == 0  # the step's own all-reduce runs once, outside the loop
+    assert "per iteration of body (7 iterations): collective-permute x1 over -" in str(report)
+    with pytest.raises(ValueError, match="kind: 'allreduce' is not a collective"):
+        body.count("allreduce")
 
 
 def test_hlo_dump_folder_is_removed_at_exit_unless_the_caller_named_it(tmp_path):

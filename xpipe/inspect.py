@@ -8,6 +8,7 @@ before the runtime starts, so the audit is two calls:
     report = xpipe.inspect.audit(lambda: train_step(batch), mesh=pipe.mesh)
     print(report)                              # kind, axes, in loop or not, bytes, groups
     report.count("all-gather", axis="fsdp", in_loop=True), report.peak_bytes
+    [(body.trips, body.count("all-reduce", axis="tensor")) for body in report.loops()]   # per clock
     xpipe.inspect.bytes_per_device(pipe.parameters())   # what each device holds
 
 :func:`collectives` parses HLO text on its own, for dumps made any other way.
@@ -21,6 +22,7 @@ import os
 import re
 import shutil
 import tempfile
+from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -37,6 +39,7 @@ _OP = re.compile(r"^\s*(?:ROOT )?%?[\w.\-]+ = (?P<type>.+?) (?P<kind>" + "|".joi
 _SHAPE = re.compile(r"(\w+)\[([\d,]*)\]")
 _COMPUTATION = re.compile(r"^(?:ENTRY )?%?(?P<name>[\w.\-]+) .*\{\s*$")
 _WHILE_BODY = re.compile(r"while\(.*body=%?(?P<body>[\w.\-]+)")
+_TRIPS = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 
 
 @dataclass(frozen=True)
@@ -53,12 +56,41 @@ class Collective:
 
 
 @dataclass(frozen=True)
+class LoopBody:
+    """The collectives of one while loop's body: what runs once per iteration (for the
+    pipeline's clock loops, once per clock)."""
+
+    name: str  # the body's HLO computation
+    trips: int | None  # the iterations XLA knows the loop runs, when it says
+    ops: tuple[Collective, ...]
+
+    def count(self, kind: str, *, axis: str | None = None) -> int:
+        """How many ``kind`` instructions the body holds, optionally only those spanning ``axis``."""
+        return len(self.of(kind, axis=axis))
+
+    def of(self, kind: str, *, axis: str | None = None) -> list[Collective]:
+        _check_kind(kind)
+        return [op for op in self.ops if op.kind == kind and (axis is None or axis in op.axes)]
+
+    def bytes_of(self, kind: str, *, axis: str | None = None) -> int:
+        """The result bytes per device of the body's ``kind`` instructions: what one iteration moves."""
+        return sum(op.bytes for op in self.of(kind, axis=axis))
+
+
+@dataclass(frozen=True)
 class CommunicationReport:
     """Every collective of one compiled program."""
 
     ops: tuple[Collective, ...]
     program: str  # path of the HLO dump read
     peak_bytes: int | None = None  # peak memory of one device, from XLA's buffer assignment
+    trips: tuple[tuple[str, int | None], ...] = ()  # each while body of the program, with its known trip count
+
+    def loops(self) -> list[LoopBody]:
+        """The per-iteration view: each while loop body's collectives (a body that holds
+        none included), in the order the program lists them."""
+        return [LoopBody(name, trips, tuple(op for op in self.ops if op.computation == name))
+                for name, trips in self.trips]
 
     def count(self, kind: str, *, in_loop: bool | None = None, axis: str | None = None) -> int:
         """How many ``kind`` instructions, optionally only those in (or out of) loops,
@@ -66,8 +98,7 @@ class CommunicationReport:
         return len(self.of(kind, in_loop=in_loop, axis=axis))
 
     def of(self, kind: str, *, in_loop: bool | None = None, axis: str | None = None) -> list[Collective]:
-        if kind not in KINDS:
-            raise ValueError(f"kind: {kind!r} is not a collective; use one of {', '.join(KINDS)}")
+        _check_kind(kind)
         return [op for op in self.ops if op.kind == kind and (in_loop is None or op.in_loop == in_loop)
                 and (axis is None or axis in op.axes)]
 
@@ -78,7 +109,16 @@ class CommunicationReport:
             axes = ",".join(op.axes) or "-"
             lines.append(f"{op.kind:<20} {axes:<18} {'loop' if op.in_loop else 'step':<6} {op.bytes:>10}  {groups}")
         totals = ", ".join(f"{kind} {self.count(kind)}" for kind in KINDS if self.count(kind))
+        for body in self.loops():
+            counts = Counter((op.kind, ",".join(op.axes) or "-") for op in body.ops)
+            each = ", ".join(f"{kind} x{n} over {axes}" for (kind, axes), n in sorted(counts.items()))
+            lines.append(f"per iteration of {body.name} ({body.trips or '?'} iterations): {each or 'nothing'}")
         return "\n".join([*lines, f"total: {totals or 'none'}"])
+
+
+def _check_kind(kind: str) -> None:
+    if kind not in KINDS:
+        raise ValueError(f"kind: {kind!r} is not a collective; use one of {', '.join(KINDS)}")
 
 
 def enable_hlo_dump(directory: str | os.PathLike | None = None) -> Path:
@@ -136,10 +176,11 @@ def audit(step: Callable[[], object], mesh: Any = None) -> CommunicationReport:
     del result
     if not new:
         raise RuntimeError("audit: the step compiled no new program (it was cached); audit a step's first run")
-    ops = collectives(Path(new[-1]).read_text())
+    hlo = Path(new[-1]).read_text()
+    ops = collectives(hlo)
     if mesh is not None:
         ops = [replace(op, axes=spanned_axes(op, mesh)) for op in ops]
-    return CommunicationReport(tuple(ops), new[-1], _peak_bytes(new[-1]))
+    return CommunicationReport(tuple(ops), new[-1], _peak_bytes(new[-1]), loop_trips(hlo))
 
 
 def spanned_axes(op: Collective, mesh: Any) -> tuple[str, ...]:
@@ -182,6 +223,18 @@ def collectives(hlo: str) -> list[Collective]:
             size = sum(_BYTES.get(dtype, 4) * int(np.prod(dims, dtype=np.int64)) for dtype, dims in shapes)
             found.append(Collective(match["kind"], shapes, size, _groups(line), computation, computation in bodies))
     return found
+
+
+def loop_trips(hlo: str) -> tuple[tuple[str, int | None], ...]:
+    """Each while loop body of optimized HLO text, with the trip count XLA knows for it
+    (None where it does not say), in the order the text lists the loops."""
+    found: dict[str, int | None] = {}
+    for line in hlo.splitlines():
+        body = _WHILE_BODY.search(line)
+        if body:
+            trips = _TRIPS.search(line)
+            found.setdefault(body["body"], int(trips[1]) if trips else None)
+    return tuple(found.items())
 
 
 def _peak_bytes(program: str) -> int | None:

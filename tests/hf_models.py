@@ -2,8 +2,8 @@
 configs with random weights (nothing is downloaded)."""
 
 import torch
-from transformers import (BertConfig, BertForMaskedLM, FalconConfig, FalconForCausalLM, GPT2Config, GPT2LMHeadModel,
-                          LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM, T5Config,
+from transformers import (BertConfig, BertForMaskedLM, FalconConfig, FalconForCausalLM, Gemma2Config,
+                          Gemma2ForCausalLM, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM, T5Config,
                           T5ForConditionalGeneration)
 
 
@@ -57,6 +57,16 @@ def falcon(layers: int = 4) -> FalconForCausalLM:
     torch.manual_seed(0)
     return FalconForCausalLM(FalconConfig(vocab_size=128, hidden_size=32, num_hidden_layers=layers,
                                           num_attention_heads=4, use_cache=False))
+
+
+def gemma2(layers: int = 4) -> Gemma2ForCausalLM:
+    """Gemma 2 as configured by default but small: its layers alternate sliding-window
+    and global attention, each reading its own mask (a window of 4 over 8 tokens, so
+    the two masks differ)."""
+    torch.manual_seed(0)
+    return Gemma2ForCausalLM(Gemma2Config(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+                                          num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                          max_position_embeddings=64, sliding_window=4, use_cache=False))
 
 
 def tokens(rows: int = 2, seq: int = 8) -> torch.Tensor:

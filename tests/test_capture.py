@@ -155,26 +155,44 @@ class AlternatingBlock(nn.Module):
         return self.linear(x) + bias
 
 
+class TwoMasks(nn.Module):
+    """Two tensors from the input, as Gemma 2 builds its two masks before its layers."""
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return x.tanh(), x.sigmoid()
+
+
 class Alternating(nn.Module):
     """Blocks that alternate between two inputs, as Gemma 2's alternate between a
     sliding-window and a global mask."""
 
     def __init__(self) -> None:
         super().__init__()
+        self.masks = TwoMasks()
         self.blocks = nn.ModuleList(AlternatingBlock() for _ in range(4))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        near, far = x.tanh(), x.sigmoid()
+        near, far = self.masks(x)
         for index, block in enumerate(self.blocks):
             x = block(x, near if index % 2 == 0 else far)
         return x
 
 
-def test_blocks_that_alternate_between_inputs_are_refused_naming_them():
-    """The message once advised passing only the hidden state, which a user of Gemma 2
-    cannot do; it now names the inputs and the executor that runs them."""
+def test_blocks_that_alternate_between_inputs_stack_as_units_of_one_of_each():
+    """Gemma 2's layers alternate between a sliding-window and a global mask: alike in
+    structure, they were once stacked one layer a block and refused, as every stacked
+    block runs with the same inputs. Blocks of two layers, one of each, all read both."""
     from xpipe.build import ModelCapture
+    from xpipe.partition import RepeatedBlocks
 
-    with pytest.raises(ValueError, match=r"module: blocks of the repeated body read \['tanh', 'sigmoid'\], computed "
-                                         r"before the body, which not every block reads .* use executor='devices'"):
-        ModelCapture(Alternating(), None).stacked()
+    model = Alternating()
+    capture = ModelCapture(model, torch.randn(2, 8))
+    assert capture.whole().repeated == RepeatedBlocks(start=1, period=2, count=2, per_stage=(2,))
+    stacked = capture.stacked()
+    assert len(stacked.blocks) == 2 and stacked.side_rows == (True, True)
+    x = torch.randn(3, 8)
+    near, far = x.tanh(), x.sigmoid()
+    hidden = x
+    for block in stacked.blocks:
+        hidden = block(hidden, near, far)
+    torch.testing.assert_close(hidden, model(x), rtol=0, atol=0)

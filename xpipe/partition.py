@@ -352,7 +352,10 @@ def _boundaries(graph: nx.DiGraph, stages: int) -> tuple[tuple[Crossing, ...], .
 
 
 def _repeated_blocks(graph: nx.DiGraph, balance: tuple[int, ...]) -> RepeatedBlocks | None:
-    """Find the longest run of identical consecutive blocks (of one or more layers)."""
+    """Find the longest run of identical consecutive blocks (of one or more layers)
+    that read the same tensors from before the run: layers alike in structure that
+    alternate between inputs (Gemma 2's sliding-window and global masks) repeat as
+    blocks of several layers, one of each kind."""
     names = layer_names(graph)
     signatures = [graph.nodes[name]["signature"] + "|" + ",".join(graph.nodes[name]["ops"]) for name in names]
     codes = np.unique(signatures, return_inverse=True)[1]
@@ -361,7 +364,7 @@ def _repeated_blocks(graph: nx.DiGraph, balance: tuple[int, ...]) -> RepeatedBlo
     for period in range(1, len(names) // 2 + 1):
         same = np.concatenate([codes[:-period] == codes[period:], [False]])
         for start, length in _true_runs(same):
-            count = (length + period) // period
+            count = _blocks_reading_alike(graph, names, start, period, (length + period) // period)
             if count < 2 or not params[start : start + period].any():
                 continue
             candidate = (count * period, -period, start)
@@ -372,6 +375,25 @@ def _repeated_blocks(graph: nx.DiGraph, balance: tuple[int, ...]) -> RepeatedBlo
     covered, negative_period, start = best
     period = -negative_period
     return RepeatedBlocks(start, period, covered // period, _blocks_per_stage(start, period, covered // period, balance))
+
+
+def _blocks_reading_alike(graph: nx.DiGraph, names: list[str], start: int, period: int, count: int) -> int:
+    """How many of the ``count`` blocks from layer ``start`` on read, from layers
+    before the run, what the block after the first does (the first also reads the
+    run's input): the stacked body runs every block with the same inputs."""
+    def outside_reads(block: int) -> set[tuple[str, str]]:
+        first = start + block * period
+        inside = set(names[start:first + period])
+        return {(producer, tensor["name"]) for layer in names[first:first + period]
+                for producer, _, edge in graph.in_edges(layer, data=True) if producer not in inside
+                for tensor in edge["tensors"]}
+
+    if count < 2:
+        return count
+    second = outside_reads(1)
+    if not second <= outside_reads(0):
+        return 1
+    return next((block for block in range(2, count) if outside_reads(block) != second), count)
 
 
 def _true_runs(flags: np.ndarray) -> list[tuple[int, int]]:

@@ -18,7 +18,7 @@ import torch
 import torch_xla
 import torch_xla.debug.metrics
 from equivalence import train_steps
-from hf_models import (assert_llama_step_matches, assert_loss_step_matches, bert, falcon, gpt2, llama, mixtral,
+from hf_models import (assert_llama_step_matches, assert_loss_step_matches, bert, falcon, gemma2, gpt2, llama, mixtral,
                        padding_mask, t5, tokens)
 
 import xpipe
@@ -74,6 +74,22 @@ def test_falcon_blocks_with_constants_of_their_own_train_on_2_x_4_fsdp():
     pipe = xpipe.Pipe(model, chunks=4, mesh=xpipe.make_mesh(2, fsdp=4), sample_input={"input_ids": ids[:2],
                                                                                      "labels": ids[:2]})
     assert pipe.executor == "spmd" and pipe.runner.block_count == 4
+    assert_loss_step_matches(pipe, reference, input_ids=ids, labels=ids)
+
+
+@pytest.mark.full  # the quick tier runs Llama, GPT-2's loss and Mixtral under spmd, every family on devices
+def test_gemma2_layers_that_alternate_masks_stack_in_pairs_on_2_x_4_fsdp():
+    """Gemma 2's layers alternate a sliding-window mask (4 tokens of 8) and a global
+    one, each built before the body: once refused, the body is now stacked two layers
+    a block (one of each), and every block reads both masks, which travel with their
+    microbatch."""
+    model = gemma2()
+    reference = copy.deepcopy(model)
+    ids = tokens(16)
+    pipe = xpipe.Pipe(model, chunks=4, mesh=xpipe.make_mesh(2, fsdp=4), sample_input={"input_ids": ids[:2],
+                                                                                     "labels": ids[:2]})
+    assert pipe.executor == "spmd" and pipe.runner.block_count == 2
+    assert (pipe.partition.repeated.period, pipe.partition.repeated.count) == (2, 2)
     assert_loss_step_matches(pipe, reference, input_ids=ids, labels=ids)
 
 

@@ -122,9 +122,9 @@ def _block_interface(nodes: list[torch.fx.Node], segment_of: dict,
     if uneven:
         raise ValueError(
             f"module: blocks of the repeated body read {uneven}, computed before the body, which not every "
-            "block reads (layers that alternate between masks, as Gemma 2's and Gemma 3's sliding-window and "
-            "global attention do, each read their own): the spmd executor runs every block alike, with the "
-            "same inputs; use executor='devices'")
+            "block reads: the spmd executor runs every block alike, with the same inputs (layers that "
+            "alternate between inputs with a period, as Gemma 2's masks do, are stacked a period at a time; "
+            "these do not repeat so); use executor='devices'")
     streams: list[torch.fx.Node] = []
     for block, (inputs, outputs) in enumerate(zip(inputs_of, outputs_of)):
         entering = [u for u in inputs if u not in sides]

@@ -7,18 +7,18 @@ from transformers import (BertConfig, BertForMaskedLM, FalconConfig, FalconForCa
                           T5ForConditionalGeneration)
 
 
-def llama(layers: int = 4, heads: int = 4, kv_heads: int = 2) -> LlamaForCausalLM:
+def llama(layers: int = 4, heads: int = 4, kv_heads: int = 2, vocab: int = 128) -> LlamaForCausalLM:
     """Tied embeddings, grouped-query attention (4 heads, 2 key/value heads by default)."""
     torch.manual_seed(0)
     return LlamaForCausalLM(LlamaConfig(
-        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=layers, num_attention_heads=heads,
+        vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=layers, num_attention_heads=heads,
         num_key_value_heads=kv_heads, max_position_embeddings=64, tie_word_embeddings=True, use_cache=False))
 
 
-def gpt2(layers: int = 4, dropout: float | None = None) -> GPT2LMHeadModel:
+def gpt2(layers: int = 4, dropout: float | None = None, vocab: int = 128) -> GPT2LMHeadModel:
     """GPT-2 as configured by default, or with every dropout probability set to ``dropout``."""
     torch.manual_seed(0)
-    config = GPT2Config(vocab_size=128, n_positions=32, n_embd=32, n_layer=layers, n_head=4, bos_token_id=0,
+    config = GPT2Config(vocab_size=vocab, n_positions=32, n_embd=32, n_layer=layers, n_head=4, bos_token_id=0,
                         eos_token_id=0, use_cache=False)
     if dropout is not None:
         config.resid_pdrop = config.embd_pdrop = config.attn_pdrop = dropout
@@ -69,8 +69,8 @@ def gemma2(layers: int = 4) -> Gemma2ForCausalLM:
                                           max_position_embeddings=64, sliding_window=4, use_cache=False))
 
 
-def tokens(rows: int = 2, seq: int = 8) -> torch.Tensor:
-    return torch.randint(0, 128, (rows, seq), generator=torch.Generator().manual_seed(0))
+def tokens(rows: int = 2, seq: int = 8, vocab: int = 128) -> torch.Tensor:
+    return torch.randint(0, vocab, (rows, seq), generator=torch.Generator().manual_seed(0))
 
 
 def padding_mask(rows: int, seq: int = 8) -> torch.Tensor:

@@ -6,7 +6,7 @@ import torch_xla.distributed.spmd as xs
 
 from torch import nn
 
-from xpipe.layout import MeshAxes, outer_spec, shard_numel, stacked_spec, stored_shape
+from xpipe.layout import MeshAxes, outer_spec, outer_step_spec, shard_numel, stacked_spec, stored_shape
 from xpipe.memory import per_device
 from xpipe.mesh import axes_of, mesh_axes
 from xpipe.tensor_rules import check_head_counts, check_rules, tensor_dims
@@ -108,6 +108,18 @@ def test_the_memory_model_counts_a_tensor_devices_share_of_the_split_weights_in_
     whole = per_device(stacked=[(2, 4, 1024)], outer=[], axes=TENSOR)
     assert split.parameters == whole.parameters == 4 * 256 * 4  # at rest: a quarter of a stage's slice
     assert split.gathered == 2 * 4 * 512 * 4 and whole.gathered == 2 * 4 * 1024 * 4
+
+
+def test_a_step_holds_the_vocabulary_tables_split_over_tensor_and_the_other_outer_weights_whole():
+    """Megatron's vocabulary-parallel embedding and head: a table longer than it is wide
+    stays split by rows over "tensor" for the step; the memory model counts that share."""
+    assert outer_step_spec((128, 32), TENSOR) == ("tensor", None)
+    assert outer_step_spec((32, 32), TENSOR) == (None, None)  # not a vocabulary: a square dense layer
+    assert outer_step_spec((32,), TENSOR) == (None,)
+    assert outer_step_spec((129, 32), TENSOR) == (None, None)  # 2 does not divide 129: whole
+    assert outer_step_spec((128, 32), FSDP) == (None, None)  # no "tensor": whole
+    memory = per_device(stacked=[(2, 4, 1024)], outer=[(128, 32), (32,)], axes=TENSOR)
+    assert memory.gathered == 2 * (4 * 1024 + 64 * 32 + 32) * 4
 
 
 LLAMA_BLOCK = {"model.layers.0.self_attn.q_proj.weight": (32, 32), "model.layers.0.self_attn.k_proj.weight": (16, 32),

@@ -374,3 +374,9 @@ def tensor_from_shards(shards: list[torch.Tensor], sharding: Any, shape: list[in
     """A new tensor on the devices of ``shape``, sharded as ``sharding``, from the CPU
     data of each local device's shard."""
     return _xlac()._global_tensor_from_cpu_shards(shards, sharding, shape)
+
+
+def optimization_barrier_(tensors: list[torch.Tensor]) -> None:
+    """Pass ``tensors`` (in place) through one XLA optimization barrier: every value
+    they depend on is computed before any of them is used."""
+    _xlac()._xla_optimization_barrier_(tensors)

@@ -92,6 +92,19 @@ def outer_spec(shape: tuple[int, ...], axes: MeshAxes) -> Spec:
     return (None,) * len(shape)
 
 
+def outer_step_spec(shape: tuple[int, ...], axes: MeshAxes) -> Spec:
+    """What a step holds of a parameter of the layers around the body, gathered from
+    its resting shards (:func:`outer_spec`): whole on every device, except a table
+    longer than it is wide (an embedding, an LM head: ``[vocabulary, hidden]``),
+    which stays split by rows over "tensor" where "tensor" divides them, as
+    Megatron splits them by vocabulary; the lookup and the logits are then
+    computed per "tensor" device on its part of the vocabulary (XLA reduces the
+    lookup, and the softmax's max and sum, over "tensor")."""
+    if axes.tensor > 1 and len(shape) == 2 and shape[0] > shape[1] and shape[0] % axes.tensor == 0:
+        return ("tensor", None)
+    return (None,) * len(shape)
+
+
 def shard_numel(shape: tuple[int, ...], spec: Spec, axes: MeshAxes) -> int:
     """Elements one device holds of a tensor of ``shape`` sharded by ``spec``
     (a dim that does not divide is padded, as XLA pads it)."""

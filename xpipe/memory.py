@@ -12,12 +12,11 @@ bytes measured on emulated devices.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 
 from xpipe._checks import check_gather, check_optimizer_states, check_positive_int
-from xpipe.layout import MeshAxes, outer_spec, shard_numel, stacked_spec
+from xpipe.layout import MeshAxes, outer_spec, outer_step_spec, shard_numel, stacked_spec
 
 
 @dataclass(frozen=True)
@@ -73,12 +72,12 @@ def per_device(*, stacked: Iterable[tuple[int, ...]], outer: Iterable[tuple[int,
     parameters = (body + around) * itemsize
     # The step's gathered copies: one stage's slice of the body, or of one block slot
     # (a tensor device's share of it where "tensor" splits a weight), and the outer
-    # layers whole (already whole at rest without fsdp or tensor), each with a gradient
-    # of its size.
+    # layers whole but for the vocabulary tables' "tensor" split (nothing is gathered
+    # without fsdp or tensor), each with a gradient of its size.
     stage_body = sum(shard_numel(shape, ("stage", None, "tensor" if cut else None), axes)
                      // (shape[1] if gather == "block" else 1) for shape, cut in zip(stacked, split))
-    whole_outer = sum(math.prod(shape) for shape in outer) if axes.sharding else 0
-    gathered = 2 * (stage_body + whole_outer) * itemsize
+    step_outer = sum(shard_numel(shape, outer_step_spec(shape, axes), axes) for shape in outer) if axes.sharding else 0
+    gathered = 2 * (stage_body + step_outer) * itemsize
     # torch_xla's scan keeps what its backward reads once per clock, the loop's weights too
     # (measured: XLA's peak grows by them with every clock): gathered whole for the step,
     # or each device's resting shard of them when every block slot gathers its own.

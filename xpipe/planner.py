@@ -24,7 +24,7 @@ from torch import nn
 
 from xpipe._checks import GATHERS, check_gather, check_optimizer_states, check_positive_int
 from xpipe.recompute import MODES, kept_cells
-from xpipe.layout import MeshAxes, microbatch_slots, spread
+from xpipe.layout import MeshAxes, microbatch_slots, outer_step_spec, shard_numel, spread
 from xpipe.memory import per_device
 from xpipe.profile import ModelProfile, profile_of_config, profile_of_model
 from xpipe.schedule import Schedule, circular, gpipe
@@ -321,7 +321,9 @@ def _activation_bytes(profile: ModelProfile, layout: Layout, schedule: Schedule,
     for keeps in _kept_per_rank(schedule, layout.checkpoint):
         recomputing = cells - keeps
         busiest = max(busiest, recomputing * recomputed + keeps * cell + (cell if recomputing else 0))
-    return int((slots + 1) * stream + busiest + layout.outer_rows(batch) * profile.outer_saved_bytes_per_row)
+    # The layers around the body: mostly the logits, split by vocabulary over "tensor" (layout.outer_step_spec).
+    around = layout.outer_rows(batch) * profile.outer_saved_bytes_per_row / layout.tensor
+    return int((slots + 1) * stream + busiest + around)
 
 
 def _communication(profile: ModelProfile, layout: Layout, schedule: Schedule, depth: int, rows: int,
@@ -329,7 +331,7 @@ def _communication(profile: ModelProfile, layout: Layout, schedule: Schedule, de
     """Bytes one device sends per step along each axis (ring collectives)."""
     axes = layout.axes
     stage_weights = sum(slots * n // (layout.tensor if cut else 1) for (_, slots, n), cut in zip(stacked, split))
-    outer_weights = sum(math.prod(shape) for shape in profile.outer_weights)
+    outer_weights = sum(shard_numel(shape, outer_step_spec(shape, axes), axes) for shape in profile.outer_weights)
     gathered = (stage_weights + outer_weights) * itemsize
     # Gathered once, the weights cross "fsdp" twice a step (their gather, their gradients' reduce-scatter);
     # per block, every clock gathers its round's slots twice (the forward, the recomputation) and reduces once.

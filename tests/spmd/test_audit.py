@@ -12,10 +12,17 @@ With an "fsdp" axis (2 stages x 4 fsdp) the weights are gathered once per step,
 before the loop, and their gradients reduced once after it: inside the loop only
 the conveyor's permutes along "stage" run. With a "tensor" axis too (GPT-2 on
 2 stages x 2 fsdp x 2 tensor) the loop also holds the reductions over "tensor"
-after the blocks' row-parallel matmuls, and nothing over "fsdp".
+after the blocks' row-parallel matmuls, and nothing over "fsdp"; the embedding
+and the LM head are split by vocabulary over "tensor", so no tensor of the step
+holds the whole vocabulary.
 """
 
+import copy
+import re
+from pathlib import Path
+
 import pytest
+import torch
 import torch_xla
 
 import xpipe
@@ -23,7 +30,8 @@ import xpipe.inspect
 
 DUMP = xpipe.inspect.enable_hlo_dump()  # before any XLA tensor: XLA reads its flags once
 
-from hf_models import gpt2, llama, padding_mask, tokens  # noqa: E402
+from equivalence import ATOL, RTOL  # noqa: E402
+from hf_models import assert_gradients_match, gpt2, llama, padding_mask, tokens  # noqa: E402
 from pipe_checks import batch_for, loss_of, tiny_lm  # noqa: E402
 from xpipe.planner import Layout, predict, preset  # noqa: E402
 from xpipe.profile import profile_of_model  # noqa: E402
@@ -148,11 +156,23 @@ def test_fsdp_gathers_and_reductions_do_not_grow_with_the_microbatches(fsdp_audi
     assert fsdp_audits[16][1].count("all-to-all") == 0
 
 
+VOCAB = 160  # a vocabulary no other dim of the test models equals, so that its shapes are found by size
+
+
+def full_vocabulary_shapes(report) -> list[str]:
+    """The shapes in ``report``'s optimized HLO with a dim of the whole vocabulary."""
+    return sorted(set(re.findall(rf"\w+\[(?:\d+,)*{VOCAB}(?:,\d+)*\]", Path(report.program).read_text())))
+
+
 def test_tensor_parallel_blocks_reduce_over_tensor_in_the_loop_and_gather_nothing_weight_sized():
-    ids = tokens(16, 8)
-    pipe = xpipe.Pipe(gpt2(4, dropout=0.0), chunks=4, mesh=xpipe.make_mesh(2, fsdp=2, tensor=2), checkpoint="never",
-                      sample_input={"input_ids": ids[:2], "labels": ids[:2]})
+    """Megatron's reductions inside the loop, and, outside it, the tied embedding and LM
+    head split by vocabulary over "tensor": no tensor of the step holds the whole
+    vocabulary, neither the table nor the logits."""
+    ids = tokens(16, 8, VOCAB)
+    pipe = xpipe.Pipe(gpt2(4, dropout=0.0, vocab=VOCAB), chunks=4, mesh=xpipe.make_mesh(2, fsdp=2, tensor=2),
+                      checkpoint="never", sample_input={"input_ids": ids[:2], "labels": ids[:2]})
     report = xpipe.inspect.audit(lambda: pipe(input_ids=ids, labels=ids).loss.backward(), mesh=pipe.mesh)
+    assert full_vocabulary_shapes(report) == [], report.program
     in_loop = [op for op in report.ops if op.in_loop]
     assert {op.axes for op in in_loop} == {("stage",), ("tensor",)}, report
     assert all(op.kind == "collective-permute" for op in in_loop if op.axes == ("stage",)), report
@@ -169,6 +189,28 @@ def test_tensor_parallel_blocks_reduce_over_tensor_in_the_loop_and_gather_nothin
         _, shape = op.shapes[0]
         assert op.axes == ("tensor",) and not any(shape[-len(w):] == w for w in weights), op
     assert report.count("all-to-all") == 0, report
+
+
+@pytest.mark.full  # the quick tier checks GPT-2 on 2 x 2 fsdp x 2 tensor (above) and Llama's exactness there
+@pytest.mark.parametrize("family, stages, fsdp, tensor", [("llama", 2, 2, 2), ("gpt2", 2, 1, 4)])
+def test_the_embedding_and_head_split_by_vocabulary_train_as_the_plain_model(family, stages, fsdp, tensor):
+    """Llama (tied embedding, grouped-query attention) and GPT-2 (tied): the embedding
+    and the LM head held split by vocabulary over "tensor" for the step, the loss's
+    softmax reduced over "tensor"; in the step's optimized HLO no tensor has a dim of
+    the whole vocabulary; the loss and every gradient equal the plain model's (rtol 1e-4)."""
+    ids = tokens(16, 8, VOCAB)
+    inputs = {"input_ids": ids, "labels": ids}
+    model = llama(4, vocab=VOCAB) if family == "llama" else gpt2(4, dropout=0.0, vocab=VOCAB)
+    reference = copy.deepcopy(model)
+    pipe = xpipe.Pipe(model, chunks=4, mesh=xpipe.make_mesh(stages, fsdp=fsdp, tensor=tensor),
+                      sample_input={key: value[:2] for key, value in inputs.items()})
+    losses = []
+    report = xpipe.inspect.audit(lambda: losses.append(pipe(**inputs).loss) or losses[0].backward(), mesh=pipe.mesh)
+    assert full_vocabulary_shapes(report) == [], report.program
+    expected = reference(**inputs).loss
+    expected.backward()
+    torch.testing.assert_close(losses[0].cpu(), expected.detach(), rtol=RTOL, atol=ATOL)
+    assert_gradients_match(pipe, reference)
 
 
 # Layouts whose step's peak XLA reports and the planner predicts: (family, layers, stages, fsdp,

@@ -19,7 +19,7 @@ import torch
 import torch_xla.distributed.spmd as xs
 from torch import nn
 
-from xpipe.layout import MeshAxes, Spec, outer_spec, stacked_spec
+from xpipe.layout import MeshAxes, Spec, outer_spec, outer_step_spec, stacked_spec
 from xpipe.mesh import axes_of
 
 
@@ -146,9 +146,11 @@ class Placement:
         return self.shard_batch(constant.unsqueeze(0).expand(self.axes.stage * self.replicas, *constant.shape))
 
     def gathered_outer(self, modules: list[nn.Module]) -> dict[nn.Module, dict[str, torch.Tensor]]:
-        """Each module's parameters, by name, whole on every device for this step: each
-        gathered once (a weight tied between two modules, once for both); those
-        replicated at rest (without "fsdp" or "tensor") as they are."""
+        """Each module's parameters, by name, as the step holds them
+        (:func:`xpipe.layout.outer_step_spec`: whole on every device, an embedding or
+        head split by vocabulary over "tensor"): each gathered once (a weight tied
+        between two modules, once for both); those replicated at rest (without "fsdp"
+        or "tensor") as they are."""
         gathered: dict[int, torch.Tensor] = {}
         named: dict[nn.Module, dict[str, torch.Tensor]] = {}
         for module in modules:
@@ -162,4 +164,5 @@ class Placement:
     def _whole(self, parameter: torch.Tensor) -> torch.Tensor:
         if not self.axes.sharding:
             return parameter
-        return xs.mark_sharding_with_gradients(parameter * 1, self.mesh, (None,) * parameter.dim())
+        return xs.mark_sharding_with_gradients(parameter * 1, self.mesh, outer_step_spec(tuple(parameter.shape),
+                                                                                        self.axes))

@@ -1,0 +1,43 @@
+"""Keep the step's collectives out of the clock loops' way.
+
+On XLA's CPU runtime (the emulated devices every test runs on) a collective of
+the step that neither feeds a clock loop nor reads its results may run while the
+loop runs, on some devices before the loop's collectives and on others after:
+each device then waits in a different collective, and the runtime aborts the
+process at a rendezvous timeout (measured: GPT-2 on 2 stages x 2 fsdp x 2
+tensor with its head split by vocabulary, 7 runs in 24, devices in the head's
+all-reduce over "tensor" while others waited in the loop's collective-permute).
+A TPU runs each device's collectives in the program's order and has no such
+hazard. The loops are fenced instead: what runs before a loop is finished before
+it starts, and what runs after it (the head, its loss, their gradients) starts
+after it ends, forward and backward.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from xpipe._xla import optimization_barrier_
+
+
+class _Fence(torch.autograd.Function):
+    """Identity on its tensors, through one optimization barrier; its backward passes
+    their gradients through one too."""
+
+    @staticmethod
+    def forward(ctx, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        fenced = [tensor.clone() for tensor in tensors]
+        optimization_barrier_(fenced)
+        return tuple(fenced)
+
+    @staticmethod
+    def backward(ctx, *gradients: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+        present = [gradient.clone() for gradient in gradients if gradient is not None]
+        optimization_barrier_(present)
+        fenced = iter(present)
+        return tuple(None if gradient is None else next(fenced) for gradient in gradients)
+
+
+def fenced(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """``tensors``, each computed before any is used, and their gradients likewise."""
+    return _Fence.apply(*tensors)

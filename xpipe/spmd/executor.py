@@ -154,11 +154,9 @@ class SpmdPipeline(nn.Module):
         slots = to_slots(packing.pack([stream, *per_row]), layout, microbatched)
         # Features flattened: torch_xla shards tensors of at most 5 dims.
         slots = slots.reshape(self.stages * self.replicas, layout.slots, layout.rows, -1)
-        after = _After(skips, outer[self.post])
-        slots, *held = fenced(slots, *after.tensors)  # the loop starts when all before it is done
+        slots, after = fenced(slots, (skips, outer[self.post]))  # the loop starts when all before it is done
         finished = self._run_clocks(self.placement.shard_batch(slots), layout, packing, constants)
-        finished, *held = fenced(finished, *held)  # and what follows it starts when it ends
-        skips, post_weights = after.with_tensors(held)
+        finished, (skips, post_weights) = fenced(finished, after)  # and what follows it starts when it ends
         finished = from_slots(packing.stream(finished.reshape(layout.padded_batch, -1)), layout, microbatched)
         with ShardableOps(), self.batch_norm.updating():
             output = functional_call(self.post, post_weights, (finished, *skips))
@@ -320,26 +318,6 @@ class SpmdPipeline(nn.Module):
         for stage, slot in self._slots():
             mask[stage, slot] = 1
         return self.placement.gathered_body(mask.to(like.device, like.dtype))
-
-
-class _After:
-    """What the layers after the body read besides the body's output (the skips from
-    before it, their weights), with its tensors apart, to be fenced with the loop."""
-
-    def __init__(self, skips: list, weights: dict[str, torch.Tensor]) -> None:
-        self.skips, self.weights = skips, weights
-        self._tensor_skips = [index for index, skip in enumerate(skips) if isinstance(skip, torch.Tensor)]
-
-    @property
-    def tensors(self) -> list[torch.Tensor]:
-        return [self.skips[index] for index in self._tensor_skips] + list(self.weights.values())
-
-    def with_tensors(self, tensors: list[torch.Tensor]) -> tuple[list, dict[str, torch.Tensor]]:
-        """The skips and weights with ``tensors`` (as :attr:`tensors` lists them) in their places."""
-        skips = list(self.skips)
-        for index, tensor in zip(self._tensor_skips, tensors):
-            skips[index] = tensor
-        return skips, dict(zip(self.weights, tensors[len(self._tensor_skips):]))
 
 
 def _as_tuple(value) -> tuple:

@@ -15,7 +15,10 @@ after it ends, forward and backward.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from xpipe._xla import optimization_barrier_
 
@@ -38,6 +41,12 @@ class _Fence(torch.autograd.Function):
         return tuple(None if gradient is None else next(fenced) for gradient in gradients)
 
 
-def fenced(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """``tensors``, each computed before any is used, and their gradients likewise."""
-    return _Fence.apply(*tensors)
+def fenced(first: torch.Tensor, rest: Any) -> tuple[torch.Tensor, Any]:
+    """``first`` and the tensors in ``rest`` (a pytree; what is not a tensor passes
+    as it is), each computed before any is used, and their gradients likewise."""
+    leaves, spec = tree_flatten(rest)
+    places = [index for index, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
+    first, *tensors = _Fence.apply(first, *(leaves[index] for index in places))
+    for index, tensor in zip(places, tensors):
+        leaves[index] = tensor
+    return first, tree_unflatten(leaves, spec)

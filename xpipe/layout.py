@@ -9,6 +9,7 @@ planner count by the same ones, so they cannot drift apart.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 Spec = tuple  # a partition spec: per dim, an axis name, a tuple of them, or None
@@ -103,6 +104,12 @@ def outer_step_spec(shape: tuple[int, ...], axes: MeshAxes) -> Spec:
     if axes.tensor > 1 and len(shape) == 2 and shape[0] > shape[1] and shape[0] % axes.tensor == 0:
         return ("tensor", None)
     return (None,) * len(shape)
+
+
+def outer_step_numel(shapes: Iterable[tuple[int, ...]], axes: MeshAxes) -> int:
+    """Elements one device holds, for a step, of the parameters of the layers around
+    the body of these ``shapes`` (:func:`outer_step_spec`)."""
+    return sum(shard_numel(shape, outer_step_spec(shape, axes), axes) for shape in shapes)
 
 
 def shard_numel(shape: tuple[int, ...], spec: Spec, axes: MeshAxes) -> int:

@@ -16,7 +16,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from xpipe._checks import check_gather, check_optimizer_states, check_positive_int
-from xpipe.layout import MeshAxes, outer_spec, outer_step_spec, shard_numel, stacked_spec
+from xpipe.layout import MeshAxes, outer_spec, outer_step_numel, shard_numel, stacked_spec
 
 
 @dataclass(frozen=True)
@@ -76,7 +76,7 @@ def per_device(*, stacked: Iterable[tuple[int, ...]], outer: Iterable[tuple[int,
     # without fsdp or tensor), each with a gradient of its size.
     stage_body = sum(shard_numel(shape, ("stage", None, "tensor" if cut else None), axes)
                      // (shape[1] if gather == "block" else 1) for shape, cut in zip(stacked, split))
-    step_outer = sum(shard_numel(shape, outer_step_spec(shape, axes), axes) for shape in outer) if axes.sharding else 0
+    step_outer = outer_step_numel(outer, axes) if axes.sharding else 0
     gathered = 2 * (stage_body + step_outer) * itemsize
     # torch_xla's scan keeps what its backward reads once per clock, the loop's weights too
     # (measured: XLA's peak grows by them with every clock): gathered whole for the step,

@@ -24,7 +24,7 @@ from torch import nn
 
 from xpipe._checks import GATHERS, check_gather, check_optimizer_states, check_positive_int
 from xpipe.recompute import MODES, kept_cells
-from xpipe.layout import MeshAxes, microbatch_slots, outer_step_spec, shard_numel, spread
+from xpipe.layout import MeshAxes, microbatch_slots, outer_step_numel, spread
 from xpipe.memory import per_device
 from xpipe.profile import ModelProfile, profile_of_config, profile_of_model
 from xpipe.schedule import Schedule, circular, gpipe
@@ -331,7 +331,7 @@ def _communication(profile: ModelProfile, layout: Layout, schedule: Schedule, de
     """Bytes one device sends per step along each axis (ring collectives)."""
     axes = layout.axes
     stage_weights = sum(slots * n // (layout.tensor if cut else 1) for (_, slots, n), cut in zip(stacked, split))
-    outer_weights = sum(shard_numel(shape, outer_step_spec(shape, axes), axes) for shape in profile.outer_weights)
+    outer_weights = outer_step_numel(profile.outer_weights, axes)
     gathered = (stage_weights + outer_weights) * itemsize
     # Gathered once, the weights cross "fsdp" twice a step (their gather, their gradients' reduce-scatter);
     # per block, every clock gathers its round's slots twice (the forward, the recomputation) and reduces once.

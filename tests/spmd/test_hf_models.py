@@ -64,32 +64,22 @@ def test_mixtral_stacks_its_mixture_of_experts_blocks():
 
 
 @pytest.mark.full  # the quick tier runs Llama, GPT-2's loss and Mixtral under spmd, every family on devices
-def test_falcon_blocks_with_constants_of_their_own_train_on_2_x_4_fsdp():
-    """Each Falcon block holds two constants torch.export lifted from its attention's
-    index lists, equal in every block: once refused as "buffers", now every block runs
-    with block 0's (carried through the clock loop, as scan takes no captured tensor)."""
-    model = falcon()
-    reference = copy.deepcopy(model)
-    ids = tokens(16)
-    pipe = xpipe.Pipe(model, chunks=4, mesh=xpipe.make_mesh(2, fsdp=4), sample_input={"input_ids": ids[:2],
-                                                                                     "labels": ids[:2]})
-    assert pipe.executor == "spmd" and pipe.runner.block_count == 4
-    assert_loss_step_matches(pipe, reference, input_ids=ids, labels=ids)
-
-
-@pytest.mark.full  # the quick tier runs Llama, GPT-2's loss and Mixtral under spmd, every family on devices
-def test_gemma2_layers_that_alternate_masks_stack_in_pairs_on_2_x_4_fsdp():
-    """Gemma 2's layers alternate a sliding-window mask (4 tokens of 8) and a global
-    one, each built before the body: once refused, the body is now stacked two layers
-    a block (one of each), and every block reads both masks, which travel with their
+@pytest.mark.parametrize("family, blocks, period", [(falcon, 4, 1), (gemma2, 2, 2)], ids=["falcon", "gemma2"])
+def test_families_once_refused_train_on_2_x_4_fsdp(family, blocks, period):
+    """Both were refused by the spmd executor. Each Falcon block holds two constants
+    torch.export lifted from its attention's index lists, equal in every block: every
+    block now runs with block 0's (carried through the clock loop, as scan takes no
+    captured tensor). Gemma 2's layers alternate a sliding-window mask (4 tokens of 8)
+    and a global one, each built before the body: the body is now stacked two layers a
+    block (one of each), and every block reads both masks, which travel with their
     microbatch."""
-    model = gemma2()
+    model = family()
     reference = copy.deepcopy(model)
     ids = tokens(16)
     pipe = xpipe.Pipe(model, chunks=4, mesh=xpipe.make_mesh(2, fsdp=4), sample_input={"input_ids": ids[:2],
                                                                                      "labels": ids[:2]})
-    assert pipe.executor == "spmd" and pipe.runner.block_count == 2
-    assert (pipe.partition.repeated.period, pipe.partition.repeated.count) == (2, 2)
+    assert pipe.executor == "spmd" and pipe.runner.block_count == blocks
+    assert (pipe.partition.repeated.period, pipe.partition.repeated.count) == (period, blocks)
     assert_loss_step_matches(pipe, reference, input_ids=ids, labels=ids)
 
 

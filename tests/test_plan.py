@@ -2,6 +2,7 @@
 and time, and one clear line for bad input. (The predicted bytes against the bytes
 measured on emulated devices: ``tests/spmd/test_fsdp.py``.)"""
 
+import dataclasses
 import math
 import re
 import subprocess
@@ -13,7 +14,7 @@ from hf_models import llama, tokens
 from transformers import LlamaConfig
 
 import xpipe
-from xpipe.layout import MeshAxes
+from xpipe.layout import LOSS_SEGMENTS_FROM, MeshAxes, sequence_segments
 from xpipe.memory import per_device
 from xpipe.plan_cli import main
 from xpipe.planner import GiB, Layout, predict, preset
@@ -52,6 +53,25 @@ def test_a_layouts_weights_are_the_memory_models_and_its_bubble_the_schedules_ta
     assert prediction.bubble == gpipe(2, 4).bubble_fraction
     assert prediction.communication["stage"] > 0 and prediction.communication["tensor"] > 0
     assert prediction.communication["data"] == 0, "no data axis, nothing reduced over it"
+
+
+def test_the_loss_over_sequence_segments_is_planned_a_segment_of_logits_and_a_float32_head_gradient():
+    """Where a device's logits reach ``LOSS_SEGMENTS_FROM`` elements the loss runs over
+    ``sequence_segments(seq)`` segments (xpipe.spmd.segmented_loss): the plan counts a
+    segment's share of the logits of the device's rows, and the float32 sum of the
+    head's gradient (the vocabulary table's share of a tensor device)."""
+    profile = profile_of_config(LlamaConfig(**{**SMALL, "vocab_size": 4096}), seq=1024, itemsize=2)
+    layout = Layout(stages=2, data=1, fsdp=2, tensor=2, chunks=4)
+    logits_per_device = layout.outer_rows(16) * 1024 * 4096 // 2
+    assert logits_per_device >= LOSS_SEGMENTS_FROM and sequence_segments(1024) == 4
+    segmented = predict(profile, layout, chip=preset("v5e"), batch=16)
+    whole = predict(dataclasses.replace(profile, tokens_per_row=0), layout, chip=preset("v5e"), batch=16)
+    logits = layout.outer_rows(16) * profile.outer_saved_bytes_per_row / layout.tensor
+    assert whole.memory["activations"] - segmented.memory["activations"] == pytest.approx(0.75 * logits, abs=1)
+    assert segmented.memory["gathered"] - whole.memory["gathered"] == 4 * 4096 * 32 // 2
+    small = predict(profile, layout, chip=preset("v5e"), batch=4)  # a row per device: logits below the bound
+    assert small.memory["activations"] == predict(dataclasses.replace(profile, tokens_per_row=0), layout,
+                                                  chip=preset("v5e"), batch=4).memory["activations"]
 
 
 def test_the_plans_ranking_of_chunk_counts_by_bubble_is_the_schedules_tables():

@@ -1,12 +1,14 @@
 """The table in docs/planning.md: xpipe's plan for public Llama 3 sizes on a few pods.
 
-    python tools/plan_table.py        # markdown tables, about a minute
+    python tools/plan_table.py        # markdown tables, about two minutes
 
 Each row of the first is one ``xpipe.plan`` (the model built on the meta device
 from Meta's published config): the fastest layout that fits, its predicted bytes
 per device and step time, and the smallest pure-pipeline layout's bytes. The
 second is issue 36's reference jobs, planned gathering once per step only and
-with gathering per block allowed.
+with gathering per block allowed. The last line is the deepest model of Llama 3
+70B's width (its hidden, MLP, head and vocabulary sizes, fewer layers) that fits
+256 v5e chips at 256 x 2048 tokens.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import argparse
 from xpipe.plan_cli import llama3_config
 from xpipe.planner import GiB, plan
+from xpipe.profile import profile_of_config
 
 CASES = [  # model, chip, chips, batch (sequences), sequence length
     ("llama3-8b", "v5e", 16, 16, 2048),
@@ -55,6 +58,28 @@ def reference_jobs() -> None:
         print(f"| {name}, {chips} x {chip}, {batch} x 2048{within} | {cells[0]} | {cells[1]} |")
 
 
+def deepest_fitting(chips: int = 256, chip: str = "v5e", batch: int = 256) -> None:
+    """The most layers a model of Llama 3 70B's width may have and still fit (a search
+    by halving between 1 layer and 70B's 80)."""
+    def config(layers: int):
+        wide = llama3_config("llama3-70b")
+        wide.num_hidden_layers = layers
+        return wide
+
+    def fitting(layers: int):
+        return plan(config(layers), devices=chips, batch=batch, chip=chip, gathers=("step", "block")).fitting
+
+    fits, fails = 1, 80
+    while fails - fits > 1:
+        middle = (fits + fails) // 2
+        fits, fails = (middle, fails) if fitting(middle) else (fits, middle)
+    best = fitting(fits)[0]
+    billions = profile_of_config(config(fits), 2048).parameters / 1e9
+    print(f"Deepest of Llama 3 70B's width on {chips} x {chip} at {batch} x 2048: {fits} layers "
+          f"({billions:.1f}B parameters), {best.layout}: {best.bytes / GiB:.2f} GiB, {best.step_seconds:.2f} s; "
+          f"{fits + 1} layers fit nowhere")
+
+
 def main() -> None:
     print("| model | chips | batch x seq | layouts that fit | fastest: stage x data x fsdp x tensor, schedule, "
           "chunks, checkpoint, gather | GiB per device | step s (lower bound) | bubble | pure pipeline, smallest |")
@@ -83,3 +108,5 @@ if __name__ == "__main__":
     main()
     print()
     reference_jobs()
+    print()
+    deepest_fitting()

@@ -380,3 +380,14 @@ def optimization_barrier_(tensors: list[torch.Tensor]) -> None:
     """Pass ``tensors`` (in place) through one XLA optimization barrier: every value
     they depend on is computed before any of them is used."""
     _xlac()._xla_optimization_barrier_(tensors)
+
+
+def while_loop(fn: Any, init: Any, xs: Any) -> tuple[Any, Any]:
+    """``fn(carry, x) -> (carry, y)`` over the first dim of ``xs`` (pytrees) as one XLA
+    while loop, without autograd (torch_xla's ``scan`` minus the autograd it builds
+    around the loop, which keeps every iteration's carry for the backward): for a
+    loop whose backward is another loop of one's own. Returns the last carry and
+    the ``y``s stacked."""
+    from torch_xla.experimental.scan import _scan_impl_pytree
+
+    return _scan_impl_pytree(fn, init, xs)

@@ -1,6 +1,6 @@
 """Mesh layouts as plain data: the sizes of a mesh's axes, the rule that says over
-which axes each kind of weight is sharded, and how blocks and microbatches fill
-the stages.
+which axes each kind of weight is sharded, how blocks and microbatches fill
+the stages, and into how many segments a sequence's loss is cut.
 
 Pure: no torch_xla. The spmd executor places tensors by these rules
 (:mod:`xpipe.spmd.placement`) and the memory model (:mod:`xpipe.memory`) and the
@@ -131,3 +131,26 @@ def microbatch_slots(chunks: int, stages: int) -> int:
     """Microbatches per stage in the spmd executor's slot buffer: ``chunks`` rounded up
     to fill every stage's slots (it runs ``stages`` times as many)."""
     return -(-chunks // stages)
+
+
+LOSS_SEGMENT_TOKENS = 256  # the longest segment of a sequence whose logits the loss makes at once
+# The logits a device makes for its rows, in elements, from which the loss runs over segments (16 MiB of
+# float32): below it two more XLA loops buy nothing worth their cost.
+LOSS_SEGMENTS_FROM = 1 << 22
+
+
+def sequence_segments(seq: int) -> int:
+    """The number of segments a sequence of ``seq`` tokens is cut into for the loss: a
+    divisor of ``seq``, at least two, and enough that no segment is longer than
+    :data:`LOSS_SEGMENT_TOKENS` (1 for a sequence of one token)."""
+    if seq < 2:
+        return 1
+    least = max(2, -(-seq // LOSS_SEGMENT_TOKENS))
+    return next(count for count in range(least, seq + 1) if seq % count == 0)
+
+
+def loss_segments(seq: int, logits: float) -> int:
+    """The segments the loss of sequences of ``seq`` tokens runs over, when a device
+    would otherwise make ``logits`` elements of logits for its rows: 1 (the whole
+    sequence at once) below :data:`LOSS_SEGMENTS_FROM`, else :func:`sequence_segments`."""
+    return sequence_segments(seq) if logits >= LOSS_SEGMENTS_FROM else 1

@@ -190,7 +190,8 @@ class Pipe(nn.Module):
         if self.executor == "devices":
             return self.runner.step(inputs, target, self.loss_fn, microbatch_dim)
         output = self.runner(*inputs, microbatch_dim=microbatch_dim)
-        loss = self.loss_fn(output, tree_map(lambda t: t.to(self.devices[0]), target))
+        with self.runner.loss_over_segments:  # a language model's cross-entropy, a segment of the logits at a time
+            loss = self.loss_fn(output, tree_map(lambda t: t.to(self.devices[0]), target))
         if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
             raise ValueError("loss_fn: must return a scalar tensor")
         loss.backward()

@@ -24,7 +24,7 @@ from torch import nn
 
 from xpipe._checks import GATHERS, check_gather, check_optimizer_states, check_positive_int
 from xpipe.recompute import MODES, kept_cells
-from xpipe.layout import MeshAxes, microbatch_slots, outer_step_numel, spread
+from xpipe.layout import MeshAxes, loss_segments, microbatch_slots, outer_step_numel, spread
 from xpipe.memory import per_device
 from xpipe.profile import ModelProfile, profile_of_config, profile_of_model
 from xpipe.schedule import Schedule, circular, gpipe
@@ -297,12 +297,38 @@ def predict(profile: ModelProfile, layout: Layout, *, chip: Chip, batch: int, ca
     activations = _activation_bytes(profile, layout, schedule, depth, rows, batch)
     # The loop keeps, per clock, the weights of the round it runs (a circular stage holds V rounds' slots).
     gathered = weights.gathered + len(schedule.forward_clocks()) * weights.kept_per_clock // layout.virtual
+    gathered += _loss_accumulator_bytes(profile, layout, batch)
     memory = {"parameters": weights.parameters, "gradients": weights.gradients, "optimizer": weights.optimizer,
               "gathered": gathered, "activations": activations}
     communication = _communication(profile, layout, schedule, depth, rows, itemsize, split, stacked)
     seconds = _seconds(profile, layout, schedule, depth, rows, batch, chip, communication, weights.resting, slices)
     return Prediction(layout, memory, schedule.bubble_fraction, communication, seconds,
                       chip.memory if capacity is None else capacity)
+
+
+def _vocabulary_table(profile: ModelProfile) -> tuple[int, ...] | None:
+    """The largest weight around the body longer than it is wide: the embedding or LM head."""
+    tables = [shape for shape in profile.outer_weights if len(shape) == 2 and shape[0] > shape[1]]
+    return max(tables, key=math.prod) if tables else None
+
+
+def _loss_segments(profile: ModelProfile, layout: Layout, batch: int) -> int:
+    """The segments the loss runs over on ``layout`` (``xpipe.layout.loss_segments``, the
+    executor's rule), from the logits a device would make for its rows."""
+    table = _vocabulary_table(profile)
+    if table is None:
+        return 1
+    logits = layout.outer_rows(batch) * profile.tokens_per_row * table[0] / layout.tensor
+    return loss_segments(profile.tokens_per_row, logits)
+
+
+def _loss_accumulator_bytes(profile: ModelProfile, layout: Layout, batch: int) -> int:
+    """The loss over sequence segments adds up the LM head's gradient in float32, each row
+    group on its own devices (``xpipe.spmd.segmented_loss``): a tensor device's share of
+    the vocabulary table, 4 bytes an element."""
+    if _loss_segments(profile, layout, batch) == 1:
+        return 0
+    return 4 * outer_step_numel([_vocabulary_table(profile)], layout.axes)
 
 
 def _activation_bytes(profile: ModelProfile, layout: Layout, schedule: Schedule, depth: int, rows: int,
@@ -321,8 +347,10 @@ def _activation_bytes(profile: ModelProfile, layout: Layout, schedule: Schedule,
     for keeps in _kept_per_rank(schedule, layout.checkpoint):
         recomputing = cells - keeps
         busiest = max(busiest, recomputing * recomputed + keeps * cell + (cell if recomputing else 0))
-    # The layers around the body: mostly the logits, split by vocabulary over "tensor" (layout.outer_step_spec).
-    around = layout.outer_rows(batch) * profile.outer_saved_bytes_per_row / layout.tensor
+    # The layers around the body: mostly the logits, split by vocabulary over "tensor" (layout.outer_step_spec),
+    # made one sequence segment at a time for the loss (xpipe.spmd.segmented_loss).
+    around = (layout.outer_rows(batch) * profile.outer_saved_bytes_per_row / _loss_segments(profile, layout, batch)
+              / layout.tensor)
     return int((slots + 1) * stream + busiest + around)
 
 

@@ -37,6 +37,7 @@ class ModelProfile:
     outer_saved_bytes_per_row: float  # what the layers around the blocks keep (the logits)
     itemsize: int  # bytes per element the above were counted in
     heads: tuple[int, ...] = ()  # the attention head counts a tensor size must divide
+    tokens_per_row: int = 0  # a row's sequence length, where known (a config's), for the loss's segments
 
     @property
     def parameters(self) -> int:
@@ -50,7 +51,7 @@ class ModelProfile:
         return ModelProfile(self.name, self.blocks, self.block_weights, self.outer_weights,
                             self.block_flops_per_row, self.outer_flops_per_row, self.stream_bytes_per_row * ratio,
                             self.block_saved_bytes_per_row * ratio, self.outer_saved_bytes_per_row * ratio,
-                            itemsize, self.heads)
+                            itemsize, self.heads, self.tokens_per_row)
 
 
 def profile_of_model(model: nn.Module, sample_input: Any) -> ModelProfile:
@@ -140,7 +141,7 @@ def profile_of_config(config: Any, seq: int, itemsize: int = 2) -> ModelProfile:
         stream_bytes_per_row=seq * hidden * itemsize, block_saved_bytes_per_row=saved_elements * itemsize,
         # The logits in the model's dtype, their float32 copy for the loss, and its gradient.
         outer_saved_bytes_per_row=seq * vocab * (itemsize + 8), itemsize=itemsize,
-        heads=tuple(sorted({heads, kv_heads})))
+        heads=tuple(sorted({heads, kv_heads})), tokens_per_row=seq)
 
 
 def _intermediate_size(config: Any, hidden: int) -> int:

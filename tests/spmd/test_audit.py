@@ -18,6 +18,7 @@ holds the whole vocabulary.
 """
 
 import copy
+import math
 import re
 from pathlib import Path
 
@@ -27,12 +28,14 @@ import torch_xla
 
 import xpipe
 import xpipe.inspect
+import xpipe.layout
 
 DUMP = xpipe.inspect.enable_hlo_dump()  # before any XLA tensor: XLA reads its flags once
 
 from equivalence import ATOL, RTOL  # noqa: E402
 from hf_models import assert_gradients_match, gpt2, llama, padding_mask, tokens  # noqa: E402
 from pipe_checks import batch_for, loss_of, tiny_lm  # noqa: E402
+from xpipe.models import transformer_lm  # noqa: E402
 from xpipe.planner import Layout, predict, preset  # noqa: E402
 from xpipe.profile import profile_of_model  # noqa: E402
 
@@ -164,41 +167,102 @@ def full_vocabulary_shapes(report) -> list[str]:
     return sorted(set(re.findall(rf"\w+\[(?:\d+,)*{VOCAB}(?:,\d+)*\]", Path(report.program).read_text())))
 
 
-def test_tensor_parallel_blocks_reduce_over_tensor_in_the_loop_and_gather_nothing_weight_sized():
+SEQ = 12  # no multiple of it, nor half of it, equals the test models' hidden size (32)
+
+
+def logits_beyond_half_a_sequence(report, tensor: int, rows: int) -> list[str]:
+    """The shapes in ``report``'s optimized HLO with a dim of a "tensor" device's part
+    of the vocabulary (other than the head's weight, ``[part, 32]`` either way, or a row
+    group's view of it, ``[1, part, 32]``) that hold more than half the tokens of the
+    device's ``rows`` rows: the logits of a whole sequence; the loss runs over two
+    segments of it."""
+    part = VOCAB // tensor
+    shapes = set(re.findall(rf"\w+\[(?:\d+,)*{part}(?:,\d+)*\]", Path(report.program).read_text()))
+    dims = {shape: [int(d) for d in shape.split("[")[1][:-1].split(",")] for shape in shapes}
+    weights = [sizes for sizes in dims.values() if sorted(d for d in sizes if d != 1) == sorted([part, 32])]
+    return sorted(shape for shape, sizes in dims.items()
+                  if sizes not in weights and math.prod(sizes) // part > rows * SEQ // 2)
+
+
+@pytest.fixture
+def segment_every_loss(monkeypatch):
+    """The test models' logits are small: segment their loss all the same (the bound,
+    ``xpipe.layout.LOSS_SEGMENTS_FROM``, is for real vocabularies)."""
+    monkeypatch.setattr(xpipe.layout, "LOSS_SEGMENTS_FROM", 0)
+
+
+def test_tensor_parallel_blocks_reduce_over_tensor_in_the_loop_and_gather_nothing_weight_sized(segment_every_loss):
     """Megatron's reductions inside the loop, and, outside it, the tied embedding and LM
     head split by vocabulary over "tensor": no tensor of the step holds the whole
-    vocabulary, neither the table nor the logits."""
-    ids = tokens(16, 8, VOCAB)
+    vocabulary, neither the table nor the logits, and the loss's logits are made half
+    a sequence at a time."""
+    ids = tokens(16, SEQ, VOCAB)
     pipe = xpipe.Pipe(gpt2(4, dropout=0.0, vocab=VOCAB), chunks=4, mesh=xpipe.make_mesh(2, fsdp=2, tensor=2),
                       checkpoint="never", sample_input={"input_ids": ids[:2], "labels": ids[:2]})
-    report = xpipe.inspect.audit(lambda: pipe(input_ids=ids, labels=ids).loss.backward(), mesh=pipe.mesh)
+
+    def step():
+        loss = pipe(input_ids=ids, labels=ids).loss
+        loss.backward()
+        return loss  # computed too: its loop over the segments is in the program
+
+    report = xpipe.inspect.audit(step, mesh=pipe.mesh)
     assert full_vocabulary_shapes(report) == [], report.program
-    in_loop = [op for op in report.ops if op.in_loop]
+    assert logits_beyond_half_a_sequence(report, tensor=2, rows=4) == [], report.program
+    clock_loops = [loop for loop in report.loops() if loop.count("collective-permute")]
+    in_loop = [op for loop in clock_loops for op in loop.ops]
     assert {op.axes for op in in_loop} == {("stage",), ("tensor",)}, report
     assert all(op.kind == "collective-permute" for op in in_loop if op.axes == ("stage",)), report
     # Megatron's: one all-reduce after each row-parallel matmul (attention's c_proj, the MLP's c_proj),
     # forward and backward, of one microbatch's activation [rows, seq, hidden] on a device.
-    activation = 2 * 8 * 32 * 4
-    assert report.count("all-reduce", in_loop=True, axis="tensor") > 0
-    assert all(op.bytes == activation for op in report.of("all-reduce", in_loop=True)), report
+    activation = 2 * SEQ * 32 * 4
+    reductions = [op for op in in_loop if op.kind == "all-reduce"]
+    assert reductions and all(op.axes == ("tensor",) and op.bytes == activation for op in reductions), report
     # What the loop gathers over "tensor" are activations (attention scores), never a weight: no result
     # ends in a block weight's shape, flat or as the block holds it.
     body = pipe.runner.body
     weights = {tuple(shape) for shape in body.shapes} | {(w[0, 0].numel(),) for w in body.weights}
-    for op in report.of("all-gather", in_loop=True):
+    for op in (op for op in in_loop if op.kind == "all-gather"):
         _, shape = op.shapes[0]
         assert op.axes == ("tensor",) and not any(shape[-len(w):] == w for w in weights), op
+    # The loss's two loops over the segments (forward, backward) reduce over "tensor" only: the softmax's
+    # statistics per token, and in the backward a segment's hidden-state gradient [4 rows, SEQ / 2, 32].
+    loss_loops = [loop for loop in report.loops() if not loop.count("collective-permute")]
+    assert len(loss_loops) == 2 and all(loop.trips == 2 for loop in loss_loops), report
+    loss_ops = [op for loop in loss_loops for op in loop.ops]
+    assert all(op.kind == "all-reduce" and op.axes == ("tensor",) and op.bytes <= 4 * SEQ // 2 * 32 * 4
+               for op in loss_ops), report
     assert report.count("all-to-all") == 0, report
+
+
+def test_a_loss_fn_of_pipe_step_takes_the_cross_entropy_half_a_sequence_at_a_time(segment_every_loss):
+    """``pipe.step`` with a ``loss_fn`` that flattens the logits for torch's
+    cross-entropy, on a user's own LM (its head an ``nn.Linear``, captured by torch.fx)
+    on 2 x 4 fsdp: no tensor of the step holds the logits of the device's whole
+    sequences, and the loss and every gradient equal the plain model's (rtol 1e-4)."""
+    model = transformer_lm(blocks=4, width=32, heads=2, seq=SEQ, vocab=VOCAB)
+    reference = copy.deepcopy(model)
+    ids, targets = tokens(16, SEQ, VOCAB), tokens(16, SEQ, VOCAB).roll(1, 0)
+    pipe = xpipe.Pipe(model, chunks=4, mesh=xpipe.make_mesh(2, fsdp=4), loss_fn=loss_of)
+    losses = []
+    report = xpipe.inspect.audit(lambda: losses.append(pipe.step(ids, targets)) or losses[0], mesh=pipe.mesh)
+    assert logits_beyond_half_a_sequence(report, tensor=1, rows=2) == [], report.program
+    expected = loss_of(reference(ids), targets)
+    expected.backward()
+    torch.testing.assert_close(losses[0].cpu(), expected.detach(), rtol=RTOL, atol=ATOL)
+    assert_gradients_match(pipe, reference)
 
 
 @pytest.mark.full  # the quick tier checks GPT-2 on 2 x 2 fsdp x 2 tensor (above) and Llama's exactness there
 @pytest.mark.parametrize("family, stages, fsdp, tensor", [("llama", 2, 2, 2), ("gpt2", 2, 1, 4)])
-def test_the_embedding_and_head_split_by_vocabulary_train_as_the_plain_model(family, stages, fsdp, tensor):
+def test_the_embedding_and_head_split_by_vocabulary_train_as_the_plain_model(segment_every_loss, family, stages, fsdp,
+                                                                           tensor):
     """Llama (tied embedding, grouped-query attention) and GPT-2 (tied): the embedding
     and the LM head held split by vocabulary over "tensor" for the step, the loss's
     softmax reduced over "tensor"; in the step's optimized HLO no tensor has a dim of
-    the whole vocabulary; the loss and every gradient equal the plain model's (rtol 1e-4)."""
-    ids = tokens(16, 8, VOCAB)
+    the whole vocabulary, and none the logits of a whole sequence on a device (the loss
+    runs over two segments of it); the loss and every gradient equal the plain model's
+    (rtol 1e-4)."""
+    ids = tokens(16, SEQ, VOCAB)
     inputs = {"input_ids": ids, "labels": ids}
     model = llama(4, vocab=VOCAB) if family == "llama" else gpt2(4, dropout=0.0, vocab=VOCAB)
     reference = copy.deepcopy(model)
@@ -207,6 +271,7 @@ def test_the_embedding_and_head_split_by_vocabulary_train_as_the_plain_model(fam
     losses = []
     report = xpipe.inspect.audit(lambda: losses.append(pipe(**inputs).loss) or losses[0].backward(), mesh=pipe.mesh)
     assert full_vocabulary_shapes(report) == [], report.program
+    assert logits_beyond_half_a_sequence(report, tensor, rows=16 // (stages * fsdp)) == [], report.program
     expected = reference(**inputs).loss
     expected.backward()
     torch.testing.assert_close(losses[0].cpu(), expected.detach(), rtol=RTOL, atol=ATOL)
@@ -265,7 +330,8 @@ def test_gathering_per_block_gathers_one_slot_at_a_time_inside_the_loop_and_lowe
     stage = sum(w[0].numel() * w.element_size() for w in body.weights)
     # Per clock (5 of them: 4 microbatches on 2 stages), the forward loop gathers the stage's weights
     # once; the backward loop gathers them again for the recomputation and reduces their gradients.
-    forward, backward = sorted(report.loops(), key=lambda loop: loop.count("all-reduce", axis="fsdp"))
+    clock_loops = [loop for loop in report.loops() if loop.count("collective-permute")]  # not the loss's
+    forward, backward = sorted(clock_loops, key=lambda loop: loop.count("all-reduce", axis="fsdp"))
     assert forward.trips == backward.trips == 5, report
     assert forward.bytes_of("all-gather", axis="fsdp") == backward.bytes_of("all-gather", axis="fsdp") == stage
     assert forward.count("all-reduce") == 0, report

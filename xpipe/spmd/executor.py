@@ -17,6 +17,10 @@ after the loop, by the backward of that gathering. With ``gather="block"`` they
 enter as each device's resting shard, and each block slot gathers its own weights
 over "fsdp" right before it runs, every clock, and again when the backward
 recomputes it; each clock reduces the gradients it made back to the shards.
+
+The layers after the body run inside :class:`~xpipe.spmd.segmented_loss.LossOverSegments`,
+so that a language model's loss makes its logits a segment of the sequence at a
+time.
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ from xpipe.spmd.dropout import cell_keys, hashed_dropout
 from xpipe.spmd.lowering import ShardableOps
 from xpipe.spmd.ordering import fenced
 from xpipe.spmd.placement import Placement
+from xpipe.spmd.segmented_loss import LossOverSegments
 from xpipe.spmd.sides import Packing, packing_for
 from xpipe.spmd.stacked_weights import StackedWeights
 from xpipe.spmd.stacking import StackedModel
@@ -92,6 +97,7 @@ class SpmdPipeline(nn.Module):
         self.post = stacked.post
         self.batch_norm = RunningStatistics([self.pre, self.post])  # PyTorch's running statistics, not XLA's
         self.placement.place_outer([self.pre, self.post])
+        self.loss_over_segments = LossOverSegments(self.placement)  # no device holds a sequence's logits for the loss
         self.side_rows = stacked.side_rows  # per side input: travels with its microbatch, or held whole
         self.exported = stacked.exported
         self.block_count = len(stacked.blocks)
@@ -158,14 +164,15 @@ class SpmdPipeline(nn.Module):
         finished = self._run_clocks(self.placement.shard_batch(slots), layout, packing, constants)
         finished, (skips, post_weights) = fenced(finished, after)  # and what follows it starts when it ends
         finished = from_slots(packing.stream(finished.reshape(layout.padded_batch, -1)), layout, microbatched)
-        with ShardableOps(), self.batch_norm.updating():
+        with ShardableOps(), self.batch_norm.updating(), self.loss_over_segments:
             output = functional_call(self.post, post_weights, (finished, *skips))
         if self.exported is not None:
             output = self.exported.folded(output)
         check_outputs(output, layout.batch)
         if not microbatched:
             return output
-        return tree_map(lambda y: y.unflatten(0, (self.chunks, -1)).movedim(0, microbatch_dim), output)
+        with self.loss_over_segments:  # logits in the loader's layout still take pipe.step's loss a chunk at a time
+            return tree_map(lambda y: _in_microbatches(y, self.chunks, microbatch_dim), output)
 
     def _check_flags_unchanged(self) -> None:
         """``requires_grad`` of a block weight is read once, when the body is stacked."""
@@ -318,6 +325,12 @@ class SpmdPipeline(nn.Module):
         for stage, slot in self._slots():
             mask[stage, slot] = 1
         return self.placement.gathered_body(mask.to(like.device, like.dtype))
+
+
+def _in_microbatches(y: torch.Tensor, chunks: int, microbatch_dim: int) -> torch.Tensor:
+    """``[chunks * b, ...]`` as ``chunks`` microbatches along ``microbatch_dim``."""
+    y = y.unflatten(0, (chunks, -1))
+    return y if microbatch_dim == 0 else y.movedim(0, microbatch_dim)
 
 
 def _as_tuple(value) -> tuple:

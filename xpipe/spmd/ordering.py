@@ -10,7 +10,9 @@ all-reduce over "tensor" while others waited in the loop's collective-permute).
 A TPU runs each device's collectives in the program's order and has no such
 hazard. The loops are fenced instead: what runs before a loop is finished before
 it starts, and what runs after it (the head, its loss, their gradients) starts
-after it ends, forward and backward.
+after it ends, forward and backward. The loss's loops over sequence segments
+(:mod:`xpipe.spmd.segmented_loss`) start after the count of labels its mean
+divides by, whose reduction over the row groups would otherwise run beside them.
 """
 
 from __future__ import annotations

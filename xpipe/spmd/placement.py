@@ -141,9 +141,16 @@ class Placement:
         copies = whole.unsqueeze(1).expand(groups, fsdp, numel).reshape(devices, numel)
         return xs.mark_sharding_with_gradients(copies, self.mesh, (self.batch_axes, part_axis))
 
-    def per_device(self, constant: torch.Tensor) -> torch.Tensor:
-        """``[...] -> [S * P, ...]``: a copy of a constant side input for every row group."""
-        return self.shard_batch(constant.unsqueeze(0).expand(self.axes.stage * self.replicas, *constant.shape))
+    def per_device(self, tensor: torch.Tensor, spec: Spec | None = None) -> torch.Tensor:
+        """``[...] -> [S * P, ...]``: a copy of ``tensor`` (a constant side input, the LM
+        head for the loss) for every row group, held as ``spec`` says (whole by default)."""
+        copies = tensor.unsqueeze(0).expand(self.axes.stage * self.replicas, *tensor.shape)
+        return self.annotated(copies, (self.batch_axes, *(spec or [None] * tensor.dim())))
+
+    def step_spec(self, parameter: torch.Tensor) -> Spec:
+        """How a step holds a parameter of the layers around the body: see
+        :func:`xpipe.layout.outer_step_spec`."""
+        return outer_step_spec(tuple(parameter.shape), self.axes)
 
     def gathered_outer(self, modules: list[nn.Module]) -> dict[nn.Module, dict[str, torch.Tensor]]:
         """Each module's parameters, by name, as the step holds them

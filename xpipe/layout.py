@@ -93,6 +93,12 @@ def outer_spec(shape: tuple[int, ...], axes: MeshAxes) -> Spec:
     return (None,) * len(shape)
 
 
+def is_vocabulary_table(shape: tuple[int, ...]) -> bool:
+    """Whether a weight of the layers around the body is a table longer than it is wide:
+    an embedding or an LM head, ``[vocabulary, hidden]`` (or GPT-2's position table)."""
+    return len(shape) == 2 and shape[0] > shape[1]
+
+
 def outer_step_spec(shape: tuple[int, ...], axes: MeshAxes) -> Spec:
     """What a step holds of a parameter of the layers around the body, gathered from
     its resting shards (:func:`outer_spec`): whole on every device, except a table
@@ -101,7 +107,7 @@ def outer_step_spec(shape: tuple[int, ...], axes: MeshAxes) -> Spec:
     Megatron splits them by vocabulary; the lookup and the logits are then
     computed per "tensor" device on its part of the vocabulary (XLA reduces the
     lookup, and the softmax's max and sum, over "tensor")."""
-    if axes.tensor > 1 and len(shape) == 2 and shape[0] > shape[1] and shape[0] % axes.tensor == 0:
+    if axes.tensor > 1 and is_vocabulary_table(shape) and shape[0] % axes.tensor == 0:
         return ("tensor", None)
     return (None,) * len(shape)
 

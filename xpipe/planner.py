@@ -24,7 +24,7 @@ from torch import nn
 
 from xpipe._checks import GATHERS, check_gather, check_optimizer_states, check_positive_int
 from xpipe.recompute import MODES, kept_cells
-from xpipe.layout import MeshAxes, loss_segments, microbatch_slots, outer_step_numel, spread
+from xpipe.layout import MeshAxes, is_vocabulary_table, loss_segments, microbatch_slots, outer_step_numel, spread
 from xpipe.memory import per_device
 from xpipe.profile import ModelProfile, profile_of_config, profile_of_model
 from xpipe.schedule import Schedule, circular, gpipe
@@ -294,10 +294,11 @@ def predict(profile: ModelProfile, layout: Layout, *, chip: Chip, batch: int, ca
     weights = per_device(stacked=stacked, outer=profile.outer_weights, axes=axes, split=split, itemsize=itemsize,
                          optimizer_states=optimizer_states, gather=layout.gather)
     rows = max(1, -(-batch // (layout.chunks * axes.row_groups)))  # of one microbatch, on one device
-    activations = _activation_bytes(profile, layout, schedule, depth, rows, batch)
+    segments = _loss_segments(profile, layout, batch)
+    activations = _activation_bytes(profile, layout, schedule, depth, rows, batch, segments)
     # The loop keeps, per clock, the weights of the round it runs (a circular stage holds V rounds' slots).
     gathered = weights.gathered + len(schedule.forward_clocks()) * weights.kept_per_clock // layout.virtual
-    gathered += _loss_accumulator_bytes(profile, layout, batch)
+    gathered += _loss_accumulator_bytes(profile, layout.axes) if segments > 1 else 0
     memory = {"parameters": weights.parameters, "gradients": weights.gradients, "optimizer": weights.optimizer,
               "gathered": gathered, "activations": activations}
     communication = _communication(profile, layout, schedule, depth, rows, itemsize, split, stacked)
@@ -308,7 +309,7 @@ def predict(profile: ModelProfile, layout: Layout, *, chip: Chip, batch: int, ca
 
 def _vocabulary_table(profile: ModelProfile) -> tuple[int, ...] | None:
     """The largest weight around the body longer than it is wide: the embedding or LM head."""
-    tables = [shape for shape in profile.outer_weights if len(shape) == 2 and shape[0] > shape[1]]
+    tables = [shape for shape in profile.outer_weights if is_vocabulary_table(shape)]
     return max(tables, key=math.prod) if tables else None
 
 
@@ -322,17 +323,15 @@ def _loss_segments(profile: ModelProfile, layout: Layout, batch: int) -> int:
     return loss_segments(profile.tokens_per_row, logits)
 
 
-def _loss_accumulator_bytes(profile: ModelProfile, layout: Layout, batch: int) -> int:
+def _loss_accumulator_bytes(profile: ModelProfile, axes: MeshAxes) -> int:
     """The loss over sequence segments adds up the LM head's gradient in float32, each row
     group on its own devices (``xpipe.spmd.segmented_loss``): a tensor device's share of
     the vocabulary table, 4 bytes an element."""
-    if _loss_segments(profile, layout, batch) == 1:
-        return 0
-    return 4 * outer_step_numel([_vocabulary_table(profile)], layout.axes)
+    return 4 * outer_step_numel([_vocabulary_table(profile)], axes)
 
 
 def _activation_bytes(profile: ModelProfile, layout: Layout, schedule: Schedule, depth: int, rows: int,
-                      batch: int) -> int:
+                      batch: int, segments: int) -> int:
     """The busiest device's activations at the step's peak: the conveyor's slot buffer and
     stage state, the inputs of the cells that recompute, everything the kept cells save, one
     recomputed cell's working set, and the layers around the body on the device's rows."""
@@ -349,8 +348,7 @@ def _activation_bytes(profile: ModelProfile, layout: Layout, schedule: Schedule,
         busiest = max(busiest, recomputing * recomputed + keeps * cell + (cell if recomputing else 0))
     # The layers around the body: mostly the logits, split by vocabulary over "tensor" (layout.outer_step_spec),
     # made one sequence segment at a time for the loss (xpipe.spmd.segmented_loss).
-    around = (layout.outer_rows(batch) * profile.outer_saved_bytes_per_row / _loss_segments(profile, layout, batch)
-              / layout.tensor)
+    around = layout.outer_rows(batch) * profile.outer_saved_bytes_per_row / segments / layout.tensor
     return int((slots + 1) * stream + busiest + around)
 
 

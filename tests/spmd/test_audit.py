@@ -28,7 +28,6 @@ import torch_xla
 
 import xpipe
 import xpipe.inspect
-import xpipe.layout
 
 DUMP = xpipe.inspect.enable_hlo_dump()  # before any XLA tensor: XLA reads its flags once
 
@@ -182,13 +181,6 @@ def logits_beyond_half_a_sequence(report, tensor: int, rows: int) -> list[str]:
     weights = [sizes for sizes in dims.values() if sorted(d for d in sizes if d != 1) == sorted([part, 32])]
     return sorted(shape for shape, sizes in dims.items()
                   if sizes not in weights and math.prod(sizes) // part > rows * SEQ // 2)
-
-
-@pytest.fixture
-def segment_every_loss(monkeypatch):
-    """The test models' logits are small: segment their loss all the same (the bound,
-    ``xpipe.layout.LOSS_SEGMENTS_FROM``, is for real vocabularies)."""
-    monkeypatch.setattr(xpipe.layout, "LOSS_SEGMENTS_FROM", 0)
 
 
 def test_tensor_parallel_blocks_reduce_over_tensor_in_the_loop_and_gather_nothing_weight_sized(segment_every_loss):

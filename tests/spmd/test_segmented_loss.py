@@ -10,17 +10,13 @@ import torch
 import torch.nn.functional as F
 
 import xpipe
-import xpipe.layout
 from xpipe.mesh import spmd_device
 from xpipe.layout import LOSS_SEGMENT_TOKENS, sequence_segments
 from xpipe.spmd.segmented_loss import LossOverSegments
 from xpipe.spmd.placement import Placement
 
 
-@pytest.fixture(autouse=True)
-def segment_every_loss(monkeypatch):
-    """These logits are small: segment them all the same (the bound is for real vocabularies)."""
-    monkeypatch.setattr(xpipe.layout, "LOSS_SEGMENTS_FROM", 0)
+pytestmark = pytest.mark.usefixtures("segment_every_loss")  # tests/spmd/conftest.py
 
 
 @pytest.fixture(scope="module")

@@ -171,7 +171,7 @@ class SpmdPipeline(nn.Module):
         check_outputs(output, layout.batch)
         if not microbatched:
             return output
-        with self.loss_over_segments:  # logits in the loader's layout still take pipe.step's loss a chunk at a time
+        with self.loss_over_segments:  # logits in the loader's layout still take pipe.step's loss a segment at a time
             return tree_map(lambda y: _in_microbatches(y, self.chunks, microbatch_dim), output)
 
     def _check_flags_unchanged(self) -> None:

@@ -171,5 +171,4 @@ class Placement:
     def _whole(self, parameter: torch.Tensor) -> torch.Tensor:
         if not self.axes.sharding:
             return parameter
-        return xs.mark_sharding_with_gradients(parameter * 1, self.mesh, outer_step_spec(tuple(parameter.shape),
-                                                                                        self.axes))
+        return xs.mark_sharding_with_gradients(parameter * 1, self.mesh, self.step_spec(parameter))

@@ -166,7 +166,7 @@ def _cross_entropy_arguments(func, args: tuple, kwargs: dict) -> tuple[Any, Any,
 
 
 def _segment_losses(options: tuple, hidden: torch.Tensor, labels: torch.Tensor, weight: torch.Tensor,
-                  bias: torch.Tensor | None) -> torch.Tensor:
+                    bias: torch.Tensor | None) -> torch.Tensor:
     """Each row group's summed loss over one segment's tokens: ``[groups]`` from
     ``hidden`` ``[groups, r, L, H]``, ``labels`` ``[groups, r, L]`` and the group's copy
     of the head, ``weight`` ``[groups, V, H]`` and ``bias`` ``[groups, V]``."""
@@ -193,7 +193,9 @@ class _SegmentedLoss(torch.autograd.Function):
     the head's gradient is reduced: the forward's loop is not needed by the backward's
     (it makes the logits again), and on XLA's CPU runtime two loops, or a loop and a
     reduction, that neither waits for may run in another order on each device and
-    deadlock (:mod:`xpipe.spmd.ordering`; measured: T5 on 2 stages x 4 tensor).
+    deadlock, as the clock loops did (:mod:`xpipe.spmd.ordering`). These fences did
+    not cure the one deadlock seen with segments (T5 on 2 stages x 4 tensor, see
+    docs/scaling.md), which does not involve the loss's loops.
     """
 
     @staticmethod

@@ -3,8 +3,9 @@ configs with random weights (nothing is downloaded)."""
 
 import torch
 from transformers import (BertConfig, BertForMaskedLM, FalconConfig, FalconForCausalLM, Gemma2Config,
-                          Gemma2ForCausalLM, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM, T5Config,
-                          T5ForConditionalGeneration)
+                          Gemma2ForCausalLM, GPT2Config, GPT2LMHeadModel, GPTNeoXConfig, GPTNeoXForCausalLM, LlamaConfig,
+                          LlamaForCausalLM, MixtralConfig, MixtralForCausalLM, OPTConfig, OPTForCausalLM,
+                          Phi3Config, Phi3ForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM, T5Config, T5ForConditionalGeneration)
 
 
 def llama(layers: int = 4, heads: int = 4, kv_heads: int = 2, vocab: int = 128) -> LlamaForCausalLM:
@@ -67,6 +68,40 @@ def gemma2(layers: int = 4) -> Gemma2ForCausalLM:
     return Gemma2ForCausalLM(Gemma2Config(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
                                           num_attention_heads=4, num_key_value_heads=2, head_dim=8,
                                           max_position_embeddings=64, sliding_window=4, use_cache=False))
+
+
+def opt(layers: int = 4) -> OPTForCausalLM:
+    """OPT: separate q/k/v projections with biases, ``out_proj``, an MLP of ``fc1``/``fc2``; dropout off."""
+    torch.manual_seed(0)
+    return OPTForCausalLM(OPTConfig(vocab_size=128, hidden_size=32, ffn_dim=64, num_hidden_layers=layers,
+                                    num_attention_heads=4, max_position_embeddings=64, word_embed_proj_dim=32,
+                                    dropout=0.0, attention_dropout=0.0, pad_token_id=1, bos_token_id=0,
+                                    eos_token_id=0, use_cache=False))
+
+
+def gpt_neox(layers: int = 4) -> GPTNeoXForCausalLM:
+    """GPT-NeoX: q, k and v packed per head in ``query_key_value``, parallel attention and MLP."""
+    torch.manual_seed(0)
+    return GPTNeoXForCausalLM(GPTNeoXConfig(vocab_size=128, hidden_size=32, intermediate_size=64,
+                                            num_hidden_layers=layers, num_attention_heads=4, max_position_embeddings=64,
+                                            bos_token_id=0, eos_token_id=0, use_cache=False))
+
+
+def phi3(layers: int = 4) -> Phi3ForCausalLM:
+    """Phi-3: q, k and v packed one after the other in ``qkv_proj``, gate and up in ``gate_up_proj``."""
+    torch.manual_seed(0)
+    return Phi3ForCausalLM(Phi3Config(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                      pad_token_id=0, bos_token_id=0, eos_token_id=0, use_cache=False))
+
+
+def qwen2_moe(layers: int = 4) -> Qwen2MoeForCausalLM:
+    """Qwen2-MoE: 4 routed experts (2 per token) beside a gated shared expert."""
+    torch.manual_seed(0)
+    return Qwen2MoeForCausalLM(Qwen2MoeConfig(
+        vocab_size=128, hidden_size=32, intermediate_size=64, moe_intermediate_size=32,
+        shared_expert_intermediate_size=64, num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+        num_experts=4, num_experts_per_tok=2, max_position_embeddings=64, use_cache=False))
 
 
 def tokens(rows: int = 2, seq: int = 8, vocab: int = 128) -> torch.Tensor:

@@ -95,7 +95,8 @@ class Pipe(nn.Module):
             weight it splits: parameter-name patterns (``fnmatch``) to a dim, or
             to None to keep a weight whole; tried before the built-in rules of
             :mod:`xpipe.tensor_rules`, which cover Llama-like models, GPT-2, BERT,
-            T5 and ``nn.TransformerEncoderLayer``.
+            T5, ``nn.TransformerEncoderLayer``, OPT, GPT-NeoX, and the experts
+            of Mixtral and Qwen2-MoE.
         gather: spmd executor, on a mesh with "fsdp": when the body's weights are
             gathered from their shards. ``"step"``: once per step, before the
             clock loop (each device holds its stage's weights whole for the

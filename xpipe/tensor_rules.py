@@ -11,10 +11,19 @@ reduction over "tensor" after each of those (XLA's partitioner inserts it).
 
 The built-in rules cover the families the project tests as shipped: Llama and the
 models built like it (Mistral, Qwen2), GPT-2 (whose ``Conv1D`` weights are
-``[in, out]``), BERT, T5 and torch's ``nn.TransformerEncoderLayer``. Weights
-that pack q, k and v into one matrix (GPT-2's ``c_attn``, ``nn.MultiheadAttention``'s
-``in_proj_weight``) stay whole: a contiguous split of the packed features would
-not keep each head on one device (see docs/scaling.md).
+``[in, out]``), BERT, T5, torch's ``nn.TransformerEncoderLayer``, OPT, GPT-NeoX,
+and the mixture-of-experts blocks of Mixtral and Qwen2-MoE. Weights that pack q,
+k and v one after the other (GPT-2's ``c_attn``, ``nn.MultiheadAttention``'s
+``in_proj_weight``, Phi-3's ``qkv_proj`` and its ``gate_up_proj``) stay whole: a contiguous
+split of the packed features would not keep each head on one device (see
+docs/scaling.md). GPT-NeoX packs them head by head, so a contiguous split keeps
+whole heads, with their q, k and v, on each device.
+
+Experts are split whole, by their first dim: each device of a tensor group holds
+``experts / T`` of them and runs its own experts' matmuls for every token, and one
+reduction over "tensor" sums the experts' outputs, as after a row-parallel layer.
+A Megatron split of each expert's matrices would need its packed gate and up
+projections (``experts.gate_up_proj``) split part by part, which is not built.
 
 Pure: no torch_xla; the spmd executor applies the rules (:mod:`xpipe.spmd.executor`).
 """
@@ -57,9 +66,25 @@ _TORCH_ENCODER = {  # nn.TransformerEncoderLayer
     "*.self_attn.out_proj.weight": 1, "*.self_attn.out_proj.bias": None,
     "*.linear1.*": 0, "*.linear2.weight": 1, "*.linear2.bias": None,
 }
+_OPT = {  # separate q/k/v (the Llama rules) and out_proj (the encoder's); the MLP as fc1, fc2
+    "*.fc1.*": 0, "*.fc2.weight": 1, "*.fc2.bias": None,
+}
+_GPT_NEOX = {  # query_key_value packs q, k and v per head ([heads, 3, head_dim]): whole heads on each device
+    "*.attention.query_key_value.*": 0, "*.attention.dense.weight": 1, "*.attention.dense.bias": None,
+    "*.mlp.dense_h_to_4h.*": 0, "*.mlp.dense_4h_to_h.weight": 1, "*.mlp.dense_4h_to_h.bias": None,
+}
+_PHI3 = {  # q, k, v packed one after the other, and gate and up: whole (see the module's docstring)
+    "*.self_attn.qkv_proj.weight": None, "*.mlp.gate_up_proj.weight": None,
+}
+_EXPERTS = {  # Mixtral, Qwen2-MoE: whole experts per device ([experts, ...]); the router and shared gate whole
+    "*.mlp.experts.gate_up_proj": 0, "*.mlp.experts.down_proj": 0, "*.mlp.gate.weight": None,
+    "*.shared_expert.gate_proj.weight": 0, "*.shared_expert.up_proj.weight": 0,
+    "*.shared_expert.down_proj.weight": 1, "*.shared_expert_gate.weight": None,
+}
 _NORMS = {"*norm*.weight": None, "*norm*.bias": None, "*LayerNorm.*": None, "*.ln_[12f].*": None}
 
-BUILT_IN: dict[str, int | None] = {**_LLAMA, **_GPT2, **_BERT, **_T5, **_TORCH_ENCODER, **_NORMS}
+BUILT_IN: dict[str, int | None] = {**_LLAMA, **_GPT2, **_BERT, **_T5, **_TORCH_ENCODER, **_OPT, **_GPT_NEOX,
+                                   **_PHI3, **_EXPERTS, **_NORMS}
 
 _HEAD_COUNTS = ("num_attention_heads", "num_key_value_heads", "n_head", "num_heads")
 

@@ -18,8 +18,8 @@ import torch
 import torch_xla
 import torch_xla.debug.metrics
 from equivalence import train_steps
-from hf_models import (assert_llama_step_matches, assert_loss_step_matches, bert, falcon, gemma2, gpt2, llama, mixtral,
-                       padding_mask, t5, tokens)
+from hf_models import (assert_llama_step_matches, assert_loss_step_matches, bert, falcon, gemma2, gpt2, gpt_neox, llama,
+                       mixtral, opt, padding_mask, phi3, qwen2_moe, t5, tokens)
 
 import xpipe
 
@@ -80,6 +80,31 @@ def test_families_once_refused_train_on_2_x_4_fsdp(family, blocks, period):
                                                                                      "labels": ids[:2]})
     assert pipe.executor == "spmd" and pipe.runner.block_count == blocks
     assert (pipe.partition.repeated.period, pipe.partition.repeated.count) == (period, blocks)
+    assert_loss_step_matches(pipe, reference, input_ids=ids, labels=ids)
+
+
+ROUTERS = ("mlp.gate.weight", "shared_expert_gate.weight")  # [experts, width] and [1, width]: whole
+PACKED = ("qkv_proj.weight", "gate_up_proj.weight")  # Phi-3's, packed one part after the other: whole
+
+
+@pytest.mark.full  # the quick tier splits Llama and GPT-2 over "tensor"; these are the built-in rules of other families
+@pytest.mark.parametrize("family, whole", [(opt, ()), (gpt_neox, ()), (phi3, PACKED), (mixtral, ROUTERS),
+                                           (qwen2_moe, ROUTERS)], ids=["opt", "gpt_neox", "phi3", "mixtral", "qwen2_moe"])
+def test_families_train_split_over_tensor_with_no_rules_of_the_users(family, whole):
+    """On 2 stages x 2 fsdp x 2 tensor, with no ``tensor_rules``: every matrix of the
+    blocks but ``whole`` (the routers; Phi-3's packed projections) is split over
+    "tensor" (OPT's fc1/fc2, GPT-NeoX's ``query_key_value``, packed per head, and its
+    MLP; the experts whole per device, by their first dim), and one step equals the
+    plain model."""
+    model = family()
+    reference = copy.deepcopy(model)
+    ids = tokens(8, 8)
+    pipe = xpipe.Pipe(model, chunks=4, mesh=xpipe.make_mesh(2, fsdp=2, tensor=2),
+                      sample_input={"input_ids": ids[:2], "labels": ids[:2]})
+    body = pipe.runner.body
+    assert pipe.executor == "spmd" and body.names
+    kept = [name for name, shape, dim in zip(body.names, body.shapes, body.dims) if len(shape) > 1 and dim is None]
+    assert all(name.endswith(whole) for name in kept), kept
     assert_loss_step_matches(pipe, reference, input_ids=ids, labels=ids)
 
 

@@ -345,3 +345,45 @@ def test_the_plan_predicts_the_peak_xla_compiles_for_the_step_within_15_percent(
     predicted = prediction.bytes - prediction.memory["optimizer"]
     assert abs(predicted - report.peak_bytes) <= 0.15 * report.peak_bytes, (predicted, report.peak_bytes,
                                                                             prediction.memory)
+
+
+# The backward clock's all-reduces over "tensor" for a stage of two blocks: two per block; recomputed, two
+# more per block but for the last block's MLP output, which nothing in the backward reads (XLA drops it).
+@pytest.mark.parametrize("checkpoint, backward", [("never", 2 * 2), ("always", 2 * 2 + 2 * 2 - 1)])
+def test_llama_blocks_run_megatrons_collectives_per_clock(checkpoint, backward):
+    """Llama (4 heads, 2 key/value heads) on 2 stages x 2 fsdp x 2 tensor, two blocks a
+    stage: inside each clock loop, over "tensor", exactly Megatron's collectives, all
+    all-reduces of one microbatch's activation on a device: two per block forward
+    (after ``o_proj`` and ``down_proj``), two backward (the input gradients of q, k and
+    v, and of gate and up, each group reduced once), two more where the block is
+    recomputed; nothing gathered over "tensor", nothing over "fsdp" or "data". Each
+    device computes attention for its own heads (the scores ``[rows, 2, SEQ, SEQ]``, no
+    tensor with all four heads), and the step equals the plain model."""
+    ids = tokens(8, SEQ, VOCAB)
+    inputs = {"input_ids": ids, "labels": ids}
+    model = llama(4, vocab=VOCAB)
+    reference = copy.deepcopy(model)
+    pipe = xpipe.Pipe(model, chunks=4, mesh=xpipe.make_mesh(2, fsdp=2, tensor=2), checkpoint=checkpoint,
+                      sample_input={key: value[:2] for key, value in inputs.items()})
+    losses = []
+    report = xpipe.inspect.audit(lambda: losses.append(pipe(**inputs).loss) or losses[0].backward(), mesh=pipe.mesh)
+    clock_loops = [loop for loop in report.loops() if loop.count("collective-permute")]
+    assert len(clock_loops) == 2, report
+    activation = 1 * SEQ * 32 * 4  # a microbatch of 8 / (2 x 2) rows / 4 chunks = 1 row, float32
+    blocks = 2
+    for loop in clock_loops:
+        over_tensor = [op for op in loop.ops if "tensor" in op.axes]
+        assert all(op.kind == "all-reduce" and op.axes == ("tensor",) and op.bytes == activation
+                   for op in over_tensor), report
+        assert all(op.axes == ("stage",) for op in loop.ops if "tensor" not in op.axes), report
+    counts = sorted(loop.count("all-reduce", axis="tensor") for loop in clock_loops)
+    assert counts == sorted([2 * blocks, backward]), report
+    # Scores [rows, heads, SEQ, SEQ] (with grouped-query attention [rows, kv heads, queries per kv head, SEQ,
+    # SEQ]; the causal mask [rows, 1, SEQ, SEQ]): those of a device hold its 2 heads of 4, never all 4.
+    shapes = re.findall(rf"f32\[(\d+(?:,\d+)+),{SEQ},{SEQ}\]", Path(report.program).read_text())
+    heads = {math.prod(int(d) for d in dims.split(",")[1:]) for dims in shapes}
+    assert max(heads) == 2, heads
+    expected = reference(**inputs).loss
+    expected.backward()
+    torch.testing.assert_close(losses[0].cpu(), expected.detach(), rtol=RTOL, atol=ATOL)
+    assert_gradients_match(pipe, reference)

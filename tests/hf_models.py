@@ -79,10 +79,10 @@ def opt(layers: int = 4) -> OPTForCausalLM:
                                     eos_token_id=0, use_cache=False))
 
 
-def gpt_neox(layers: int = 4) -> GPTNeoXForCausalLM:
+def gpt_neox(layers: int = 4, vocab: int = 128) -> GPTNeoXForCausalLM:
     """GPT-NeoX: q, k and v packed per head in ``query_key_value``, parallel attention and MLP."""
     torch.manual_seed(0)
-    return GPTNeoXForCausalLM(GPTNeoXConfig(vocab_size=128, hidden_size=32, intermediate_size=64,
+    return GPTNeoXForCausalLM(GPTNeoXConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64,
                                             num_hidden_layers=layers, num_attention_heads=4, max_position_embeddings=64,
                                             bos_token_id=0, eos_token_id=0, use_cache=False))
 

@@ -32,7 +32,7 @@ import xpipe.inspect
 DUMP = xpipe.inspect.enable_hlo_dump()  # before any XLA tensor: XLA reads its flags once
 
 from equivalence import ATOL, RTOL  # noqa: E402
-from hf_models import assert_gradients_match, gpt2, llama, padding_mask, tokens  # noqa: E402
+from hf_models import assert_gradients_match, gpt2, gpt_neox, llama, padding_mask, tokens  # noqa: E402
 from pipe_checks import batch_for, loss_of, tiny_lm  # noqa: E402
 from xpipe.models import transformer_lm  # noqa: E402
 from xpipe.planner import Layout, predict, preset  # noqa: E402
@@ -349,19 +349,22 @@ def test_the_plan_predicts_the_peak_xla_compiles_for_the_step_within_15_percent(
 
 # The backward clock's all-reduces over "tensor" for a stage of two blocks: two per block; recomputed, two
 # more per block but for the last block's MLP output, which nothing in the backward reads (XLA drops it).
-@pytest.mark.parametrize("checkpoint, backward", [("never", 2 * 2), ("always", 2 * 2 + 2 * 2 - 1)])
-def test_llama_blocks_run_megatrons_collectives_per_clock(checkpoint, backward):
-    """Llama (4 heads, 2 key/value heads) on 2 stages x 2 fsdp x 2 tensor, two blocks a
-    stage: inside each clock loop, over "tensor", exactly Megatron's collectives, all
-    all-reduces of one microbatch's activation on a device: two per block forward
-    (after ``o_proj`` and ``down_proj``), two backward (the input gradients of q, k and
-    v, and of gate and up, each group reduced once), two more where the block is
-    recomputed; nothing gathered over "tensor", nothing over "fsdp" or "data". Each
+@pytest.mark.parametrize("family, checkpoint, backward", [
+    ("llama", "never", 2 * 2), ("llama", "always", 2 * 2 + 2 * 2 - 1),
+    pytest.param("gpt_neox", "never", 2 * 2, marks=pytest.mark.full)])
+def test_blocks_run_megatrons_collectives_per_clock(family, checkpoint, backward):
+    """Llama (4 heads, 2 key/value heads) and GPT-NeoX (q, k, v packed per head) on 2
+    stages x 2 fsdp x 2 tensor, two blocks a stage: inside each clock loop, over
+    "tensor", exactly Megatron's collectives, all all-reduces of one microbatch's
+    activation on a device: two per block forward (after the attention's and the MLP's
+    row-parallel linears), two backward (the input gradients of the column-parallel
+    linears that read one input, each group reduced once), two more where the block
+    is recomputed; nothing gathered over "tensor", nothing over "fsdp" or "data". Each
     device computes attention for its own heads (the scores ``[rows, 2, SEQ, SEQ]``, no
     tensor with all four heads), and the step equals the plain model."""
     ids = tokens(8, SEQ, VOCAB)
     inputs = {"input_ids": ids, "labels": ids}
-    model = llama(4, vocab=VOCAB)
+    model = llama(4, vocab=VOCAB) if family == "llama" else gpt_neox(4, vocab=VOCAB)
     reference = copy.deepcopy(model)
     pipe = xpipe.Pipe(model, chunks=4, mesh=xpipe.make_mesh(2, fsdp=2, tensor=2), checkpoint=checkpoint,
                       sample_input={key: value[:2] for key, value in inputs.items()})

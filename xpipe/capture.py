@@ -36,6 +36,7 @@ import torch.fx
 from torch import nn
 from torch.utils._pytree import TreeSpec, tree_flatten, tree_map, tree_unflatten
 
+from xpipe.experts import captured_dense
 from xpipe.substitutes import substitute_operators
 
 CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
@@ -201,7 +202,8 @@ def _export(module: nn.Module, sample_input: Any) -> torch.fx.GraphModule:
     batch_free = {name: tree_map(lambda x: {0: torch.export.Dim.AUTO} if isinstance(x, torch.Tensor) and x.dim()
                                  else None, value) for name, value in named.items()}
     try:
-        exported = torch.export.export(module, args, kwargs, dynamic_shapes=batch_free, strict=False)
+        with captured_dense(module):
+            exported = torch.export.export(module, args, kwargs, dynamic_shapes=batch_free, strict=False)
     except Exception as error:
         raise ValueError(f"module: neither torch.fx nor torch.export can capture {type(module).__name__} "
                          f"({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}); "

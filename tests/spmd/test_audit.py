@@ -32,7 +32,7 @@ import xpipe.inspect
 DUMP = xpipe.inspect.enable_hlo_dump()  # before any XLA tensor: XLA reads its flags once
 
 from equivalence import ATOL, RTOL  # noqa: E402
-from hf_models import assert_gradients_match, gpt2, gpt_neox, llama, padding_mask, tokens  # noqa: E402
+from hf_models import assert_gradients_match, gpt2, gpt_neox, llama, mixtral, padding_mask, tokens  # noqa: E402
 from pipe_checks import batch_for, loss_of, tiny_lm  # noqa: E402
 from xpipe.models import transformer_lm  # noqa: E402
 from xpipe.planner import Layout, predict, preset  # noqa: E402
@@ -386,6 +386,32 @@ def test_blocks_run_megatrons_collectives_per_clock(family, checkpoint, backward
     shapes = re.findall(rf"f32\[(\d+(?:,\d+)+),{SEQ},{SEQ}\]", Path(report.program).read_text())
     heads = {math.prod(int(d) for d in dims.split(",")[1:]) for dims in shapes}
     assert max(heads) == 2, heads
+    expected = reference(**inputs).loss
+    expected.backward()
+    torch.testing.assert_close(losses[0].cpu(), expected.detach(), rtol=RTOL, atol=ATOL)
+    assert_gradients_match(pipe, reference)
+
+
+@pytest.mark.full  # Mixtral's exactness under spmd is the quick tier's in spmd/test_hf_models.py
+def test_mixture_of_experts_blocks_keep_their_tokens_in_their_stage():
+    """Mixtral (4 experts, 2 a token) on 2 stages x 4 fsdp: inside the clock loops only
+    the conveyor's permutes along "stage". Routed by gathers of the tokens by expert
+    (transformers' forms), each loop ran all-gathers and all-reduces over ("stage",
+    "fsdp") of the hidden states, the routing weights and the expert indices; captured
+    in the dense form (:mod:`xpipe.experts`) every stage's experts see its own tokens
+    only. The step equals the plain model."""
+    ids = tokens(8, SEQ)
+    inputs = {"input_ids": ids, "labels": ids}
+    model = mixtral(4)
+    reference = copy.deepcopy(model)
+    pipe = xpipe.Pipe(model, chunks=4, mesh=xpipe.make_mesh(2, fsdp=4), checkpoint="never",
+                      sample_input={key: value[:2] for key, value in inputs.items()})
+    losses = []
+    report = xpipe.inspect.audit(lambda: losses.append(pipe(**inputs).loss) or losses[0].backward(), mesh=pipe.mesh)
+    clock_loops = [loop for loop in report.loops() if loop.count("collective-permute")]
+    assert len(clock_loops) == 2, report
+    assert all(op.kind == "collective-permute" and op.axes == ("stage",) for loop in clock_loops for op in loop.ops), \
+        report
     expected = reference(**inputs).loss
     expected.backward()
     torch.testing.assert_close(losses[0].cpu(), expected.detach(), rtol=RTOL, atol=ATOL)

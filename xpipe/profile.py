@@ -130,9 +130,11 @@ def profile_of_config(config: Any, seq: int, itemsize: int = 2) -> ModelProfile:
     block_flops = 2 * seq * block_numel + 4 * seq * seq * heads * head_dim
     # What eager PyTorch keeps for the backward of a Llama-like block (counted on
     # LlamaDecoderLayer with saved-tensor hooks): ten hidden-sized tensors per token,
-    # k and v, four intermediate-sized ones; and the attention probabilities,
-    # which XLA's attention (not a flash kernel) materialises.
-    saved_elements = seq * (10 * heads * head_dim + 2 * kv_heads * head_dim + 4 * intermediate) + heads * seq * seq
+    # k and v, four intermediate-sized ones per MLP (every expert's, in the dense form
+    # xpipe runs experts in); and the attention probabilities, which XLA's attention
+    # (not a flash kernel) materialises.
+    saved_elements = (seq * (10 * heads * head_dim + 2 * kv_heads * head_dim + 4 * _inner_per_token(config, intermediate))
+                      + heads * seq * seq)
     return ModelProfile(
         name=getattr(config, "name_or_path", "") or type(model).__name__, blocks=len(block_names),
         block_weights=tuple((f"{block_names[0]}.{name}", tuple(p.shape)) for name, p in block.named_parameters()),
@@ -151,6 +153,17 @@ def _intermediate_size(config: Any, hidden: int) -> int:
         if getattr(config, name, None):
             return getattr(config, name)
     return 4 * hidden
+
+
+def _inner_per_token(config: Any, intermediate: int) -> int:
+    """The MLP's inner width that a block computes per token: ``intermediate``, or for a
+    mixture of experts (Mixtral's ``num_local_experts``, Qwen2-MoE's ``num_experts``)
+    every expert's, which :mod:`xpipe.experts` runs on every token, and a shared expert's."""
+    experts = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None)
+    if not experts:
+        return intermediate
+    per_expert = getattr(config, "moe_intermediate_size", None) or intermediate
+    return experts * per_expert + (getattr(config, "shared_expert_intermediate_size", None) or 0)
 
 
 def _block_names(model: nn.Module) -> list[str]:

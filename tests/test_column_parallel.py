@@ -19,7 +19,7 @@ def test_column_linears_compute_what_f_linear_computes_and_others_run_as_called(
 
     def block(x, q, k, q_bias, down, parallel):
         def run():
-            hidden = F.linear(x, q, q_bias) + F.linear(x, k).repeat(1, 1, 3)
+            hidden = F.linear(x, weight=q, bias=q_bias) + F.linear(x, k).repeat(1, 1, 3)  # by keyword too
             return F.linear(torch.tanh(hidden), down)
         if not parallel:
             return run()

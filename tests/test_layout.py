@@ -139,16 +139,17 @@ def test_built_in_rules_split_column_parallel_weights_on_outputs_and_row_paralle
 
 
 def test_built_in_rules_cover_opt_gpt_neox_and_the_experts_of_mixtral_and_qwen2_moe():
-    opt = {"model.decoder.layers.0.self_attn.q_proj.bias": (32,), "model.decoder.layers.0.self_attn.out_proj.weight": (32, 32),
-           "model.decoder.layers.0.fc1.weight": (64, 32), "model.decoder.layers.0.fc2.weight": (32, 64),
-           "model.decoder.layers.0.fc2.bias": (32,)}
+    opt = {"model.decoder.layers.0.self_attn.q_proj.bias": (32,),
+           "model.decoder.layers.0.self_attn.out_proj.weight": (32, 32), "model.decoder.layers.0.fc1.weight": (64, 32),
+           "model.decoder.layers.0.fc2.weight": (32, 64), "model.decoder.layers.0.fc2.bias": (32,)}
     assert tensor_dims(opt, opt.values(), 2) == [0, 1, 0, 1, None]
     neox = {"gpt_neox.layers.0.attention.query_key_value.weight": (96, 32),  # packed per head: whole heads split
             "gpt_neox.layers.0.attention.dense.weight": (32, 32), "gpt_neox.layers.0.mlp.dense_h_to_4h.bias": (64,),
             "gpt_neox.layers.0.mlp.dense_4h_to_h.weight": (32, 64)}
     assert tensor_dims(neox, neox.values(), 2) == [0, 1, 0, 1]
     moe = {"model.layers.0.mlp.gate.weight": (4, 32), "model.layers.0.mlp.experts.gate_up_proj": (4, 128, 32),
-           "model.layers.0.mlp.experts.down_proj": (4, 32, 64), "model.layers.0.mlp.shared_expert.up_proj.weight": (64, 32),
+           "model.layers.0.mlp.experts.down_proj": (4, 32, 64),
+           "model.layers.0.mlp.shared_expert.up_proj.weight": (64, 32),
            "model.layers.0.mlp.shared_expert.down_proj.weight": (32, 64),
            "model.layers.0.mlp.shared_expert_gate.weight": (1, 32)}
     assert tensor_dims(moe, moe.values(), 2) == [None, 0, 0, 0, 1, None]  # whole experts per device

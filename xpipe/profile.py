@@ -133,8 +133,8 @@ def profile_of_config(config: Any, seq: int, itemsize: int = 2) -> ModelProfile:
     # k and v, four intermediate-sized ones per MLP (every expert's, in the dense form
     # xpipe runs experts in); and the attention probabilities, which XLA's attention
     # (not a flash kernel) materialises.
-    saved_elements = (seq * (10 * heads * head_dim + 2 * kv_heads * head_dim + 4 * _inner_per_token(config, intermediate))
-                      + heads * seq * seq)
+    inner = _inner_per_token(config, intermediate)
+    saved_elements = seq * (10 * heads * head_dim + 2 * kv_heads * head_dim + 4 * inner) + heads * seq * seq
     return ModelProfile(
         name=getattr(config, "name_or_path", "") or type(model).__name__, blocks=len(block_names),
         block_weights=tuple((f"{block_names[0]}.{name}", tuple(p.shape)) for name, p in block.named_parameters()),

@@ -14,9 +14,9 @@ models built like it (Mistral, Qwen2), GPT-2 (whose ``Conv1D`` weights are
 ``[in, out]``), BERT, T5, torch's ``nn.TransformerEncoderLayer``, OPT, GPT-NeoX,
 and the mixture-of-experts blocks of Mixtral and Qwen2-MoE. Weights that pack q,
 k and v one after the other (GPT-2's ``c_attn``, ``nn.MultiheadAttention``'s
-``in_proj_weight``, Phi-3's ``qkv_proj`` and its ``gate_up_proj``) stay whole: a contiguous
-split of the packed features would not keep each head on one device (see
-docs/scaling.md). GPT-NeoX packs them head by head, so a contiguous split keeps
+``in_proj_weight``, Phi-3's ``qkv_proj``; and Phi-3's ``gate_up_proj``) stay
+whole: a contiguous split of the packed features would not keep each head on one
+device (see docs/scaling.md). GPT-NeoX packs them head by head, so a contiguous split keeps
 whole heads, with their q, k and v, on each device.
 
 Experts are split whole, by their first dim: each device of a tensor group holds

@@ -89,7 +89,8 @@ PACKED = ("qkv_proj.weight", "gate_up_proj.weight")  # Phi-3's, packed one part 
 
 @pytest.mark.full  # the quick tier splits Llama and GPT-2 over "tensor"; these are the built-in rules of other families
 @pytest.mark.parametrize("family, whole", [(opt, ()), (gpt_neox, ()), (phi3, PACKED), (mixtral, ROUTERS),
-                                           (qwen2_moe, ROUTERS)], ids=["opt", "gpt_neox", "phi3", "mixtral", "qwen2_moe"])
+                                           (qwen2_moe, ROUTERS)],
+                         ids=["opt", "gpt_neox", "phi3", "mixtral", "qwen2_moe"])
 def test_families_train_split_over_tensor_with_no_rules_of_the_users(family, whole):
     """On 2 stages x 2 fsdp x 2 tensor, with no ``tensor_rules``: every matrix of the
     blocks but ``whole`` (the routers; Phi-3's packed projections) is split over

@@ -37,17 +37,16 @@ class ColumnParallelLinears(TorchFunctionMode):
 
     def __init__(self, column: list[torch.Tensor], tensor: int) -> None:
         super().__init__()
-        self._column = {id(weight) for weight in column}
-        self._kept = column  # so that the identities stay theirs while the block runs
+        self._column = {id(weight): weight for weight in column}  # kept, so that no other tensor takes an id
         self._tensor = tensor
         self._spread: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func in LINEARS:
-            x, weight, *rest = args
-            if id(weight) in self._column:
-                return self._linear(x, weight, rest[0] if rest else kwargs.get("bias"))
+            named = dict(zip(("input", "weight", "bias"), args)) | kwargs
+            if id(named.get("weight")) in self._column:
+                return self._linear(named["input"], named["weight"], named.get("bias"))
         return func(*args, **kwargs)
 
     def _linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

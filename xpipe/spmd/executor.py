@@ -11,7 +11,8 @@ while loop), so the program does not grow with the number of microbatches.
 With ``gather="step"`` every operation inside the loop is local to a device except
 the two shifts of :mod:`xpipe.spmd.conveyor` (and, with "tensor", the blocks' own
 reductions: Megatron's two per block forward, and two backward, as
-:mod:`xpipe.spmd.column_parallel` runs the column-parallel linears). The stage weights enter the loop already gathered, one copy per
+:mod:`xpipe.spmd.column_parallel` runs the column-parallel linears). The stage
+weights enter the loop already gathered, one copy per
 device (``[S * P, K, ...]``, ``P`` devices per stage), so their gradients
 accumulate locally across clocks and are reduced over the stage's devices once,
 after the loop, by the backward of that gathering. With ``gather="block"`` they

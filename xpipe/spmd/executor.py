@@ -10,9 +10,7 @@ while loop), so the program does not grow with the number of microbatches.
 
 With ``gather="step"`` every operation inside the loop is local to a device except
 the two shifts of :mod:`xpipe.spmd.conveyor` (and, with "tensor", the blocks' own
-reductions: Megatron's two per block forward, and two backward, as
-:mod:`xpipe.spmd.column_parallel` runs the column-parallel linears). The stage
-weights enter the loop already gathered, one copy per
+reductions). The stage weights enter the loop already gathered, one copy per
 device (``[S * P, K, ...]``, ``P`` devices per stage), so their gradients
 accumulate locally across clocks and are reduced over the stage's devices once,
 after the loop, by the backward of that gathering. With ``gather="block"`` they
@@ -28,7 +26,6 @@ time.
 from __future__ import annotations
 
 from collections.abc import Callable
-from contextlib import nullcontext
 import math
 from functools import partial
 
@@ -44,7 +41,6 @@ from xpipe._batchnorm import RunningStatistics
 from xpipe.layout import spread
 from xpipe.recompute import kept_cells, recompute
 from xpipe.schedule import Schedule
-from xpipe.spmd.column_parallel import ColumnParallelLinears
 from xpipe.spmd.conveyor import SlotLayout, column_tables, from_slots, slot_layout, make_tick, to_slots
 from xpipe.spmd.dropout import cell_keys, hashed_dropout
 from xpipe.spmd.lowering import ShardableOps
@@ -300,19 +296,9 @@ class SpmdPipeline(nn.Module):
         own_constants = {name: next(constants).to(dtype) for name, (_, dtype) in self._block_constants.items()}
         params = {name: self.body.unstored(index, w) for index, (name, w) in
                   enumerate(zip(self.body.names, block))} | own_constants
-        with ShardableOps(), self._column_parallel(params), hashed_dropout(key, slot):
+        with ShardableOps(), hashed_dropout(key, slot):
             y = functional_call(self._template[0], params, (stream, *sides))
         return packing.with_stream(x, torch.where(valid > 0, y, stream))
-
-    def _column_parallel(self, params: dict[str, torch.Tensor]) -> ColumnParallelLinears | nullcontext:
-        """The mode in which a block's column-parallel linears reduce their input's
-        gradient once per input (:mod:`xpipe.spmd.column_parallel`); none without "tensor"."""
-        tensor = self.placement.axes.tensor
-        if tensor == 1:
-            return nullcontext()
-        column = [params[name] for name, dim, shape in zip(self.body.names, self.body.dims, self.body.shapes)
-                  if dim == 0 and len(shape) == 2]
-        return ColumnParallelLinears(column, tensor)
 
     def _slot_of_round(self, stacked: torch.Tensor, slot: int, rounds: torch.Tensor) -> torch.Tensor:
         """``[S * P, V * K, ...] -> [S * P, ...]``: slot ``slot`` of each device's current

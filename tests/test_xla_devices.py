@@ -4,6 +4,9 @@ import pytest
 import torch
 import torch_xla
 import torch_xla.runtime as xr
+from equivalence import compiled
+
+from xpipe._xla import settle_autograd
 
 
 def test_eight_emulated_devices():
@@ -29,3 +32,17 @@ def test_torchax_is_the_one_xla_loops_need():
     except ImportError as error:
         pytest.fail(f"{fix} ({error})")
     assert torchax.__version__ == "0.0.7", fix
+
+
+def test_settling_autograds_worker_threads_leaves_nothing_pending_and_compiles_nothing():
+    """The devices executor waits, after each step's backward, for the worker threads
+    that ran it (``xpipe._xla.settle_autograd``); the wait itself adds no tensor for
+    the next sync to run, so it cannot change a step's programs."""
+    devices = [torch_xla.device(3), torch_xla.device(5)]
+    weight = torch.ones(4, device=devices[0], requires_grad=True)
+    (weight * 2).sum().backward()
+    settle_autograd(devices)  # the first wait on a device makes its probe
+    torch_xla.sync()
+    before = compiled(), [torch_xla._XLAC._xla_tensors_report(0, str(device)) for device in devices]
+    settle_autograd(devices)
+    assert (compiled(), [torch_xla._XLAC._xla_tensors_report(0, str(device)) for device in devices]) == before

@@ -41,7 +41,7 @@ from torch.utils._pytree import tree_map, tree_unflatten
 
 from xpipe._batch import rows
 from xpipe._batchnorm import RunningStatistics
-from xpipe._xla import launch_device, on_ready
+from xpipe._xla import launch_device, on_ready, settle_autograd
 from xpipe.devices.loss import StepLoss, restore_grads, saved_grads
 from xpipe.devices.microbatch import keyed_leaves, launch, microbatches_of, on_host
 from xpipe.devices.stages import StagedModel
@@ -219,6 +219,7 @@ class DevicesPipeline(nn.Module):
         grads_before = saved_grads([*self.state.module.parameters(), *(x for _, x in wanted)]) if check else {}
         with _guard_failures_explained():
             self.run_cells(cells.schedule.table, step.cell)
+        settle_autograd(self.devices)
         self.batch_norm.commit()
         step.gradients.accumulate_into_grads([x for _, x in wanted])
         if check:

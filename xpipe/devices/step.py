@@ -22,6 +22,7 @@ from torch import nn
 from torch.utils._pytree import TreeSpec, tree_flatten
 
 from xpipe._batch import check_outputs, rows
+from xpipe._xla import settle_autograd
 from xpipe.devices.gradients import StepGradients
 from xpipe.devices.loss import StepLoss
 from xpipe.devices.microbatch import (byte_count, differentiable, keyed_leaves, launch, merged, microbatches_of, moved,
@@ -244,6 +245,7 @@ class PipelineFunction(torch.autograd.Function):
         step: Step = ctx.step
         step.set_output_grads(grads)
         step.pipeline.run_cells(step.cells.backward, step.cell)
+        settle_autograd(step.pipeline.devices)
         input_grads = step.gradients.model_input_grads(ctx.inputs)
         del ctx.step, ctx.inputs
         return (None, *input_grads, *step.gradients.parameter_grads())

@@ -53,12 +53,13 @@ def t5(layers: int = 3) -> T5ForConditionalGeneration:
         decoder_start_token_id=0, pad_token_id=0, use_cache=False))
 
 
-def falcon(layers: int = 4) -> FalconForCausalLM:
+def falcon(layers: int = 4, multi_query: bool = True) -> FalconForCausalLM:
     """Falcon as configured by default (multi-query attention, rotary): torch.export
-    lifts the index lists of its attention (``qkv[..., [-2]]``) as constants of every block."""
+    lifts the index lists of its attention (``qkv[..., [-2]]``) as constants of every
+    block. Without ``multi_query`` its ``query_key_value`` packs q, k and v head by head."""
     torch.manual_seed(0)
     return FalconForCausalLM(FalconConfig(vocab_size=128, hidden_size=32, num_hidden_layers=layers,
-                                          num_attention_heads=4, use_cache=False))
+                                          num_attention_heads=4, multi_query=multi_query, use_cache=False))
 
 
 def gemma2(layers: int = 4) -> Gemma2ForCausalLM:

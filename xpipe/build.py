@@ -31,8 +31,9 @@ from xpipe.partition import Partition, partition_captured, rebalanced, spmd_bala
 from xpipe.schedule import Schedule, by_name, check_ring_chunks
 from xpipe.spmd.executor import SCHEDULES as SPMD_SCHEDULES
 from xpipe.spmd.executor import SpmdPipeline, padded_chunks
-from xpipe.spmd.stacking import StackedModel, cut_for_stacking
-from xpipe.tensor_rules import check_convolutions, check_head_counts, tensor_dims
+from xpipe.spmd.stacking import StackedModel, block_inputs, cut_for_stacking
+from xpipe.tensor_inference import CannotInfer, infer_tensor_dims
+from xpipe.tensor_rules import check_convolutions, check_head_counts, tensor_dims, unruled, unruled_message
 
 EXECUTORS = ("auto", "spmd", "devices")
 
@@ -141,9 +142,9 @@ def build_spmd(capture: ModelCapture, options: Options) -> Built:
                          f"{len(stacked.blocks)} blocks, fewer than the {stages} stages; use at most "
                          f"{len(stacked.blocks)} stages, or executor='devices'")
     partition = spmd_partition(whole, spread(len(stacked.blocks), stages * options.virtual), options.balance)
-    named = list(stacked.blocks[0].named_parameters())
-    dims = tensor_dims([n for n, _ in named], [p.shape for _, p in named], tensor, options.tensor_rules)
-    check_convolutions(stacked.blocks[0], dict(zip([n for n, _ in named], dims)))
+    names = [name for name, _ in stacked.blocks[0].named_parameters()]
+    dims = block_tensor_dims(capture, tensor, options.tensor_rules)
+    check_convolutions(stacked.blocks[0], dict(zip(names, dims)))
     mesh = options.mesh if options.mesh is not None else make_mesh(stages)  # the process enters SPMD mode here
     device = spmd_device()
     rebind(module, move_keeping_ties([stacked.pre, stacked.post], device))
@@ -153,6 +154,27 @@ def build_spmd(capture: ModelCapture, options: Options) -> Built:
                           dims, options.gather)
     retire(module, [p for block in stacked.blocks for p in block.parameters()])
     return Built(runner, partition, schedule, mesh, [device])
+
+
+def block_tensor_dims(capture: ModelCapture, tensor: int, rules: dict[str, int | None]) -> list[int | None]:
+    """Each block weight's split dim over "tensor" (or None): by the user's rules,
+    then the built-in ones, and, for the weights no rule covers, as read from the
+    block's graph (:mod:`xpipe.tensor_inference`). Refused before any device work
+    where the graph cannot tell."""
+    stacked = capture.stacked()
+    named = [(name, tuple(p.shape)) for name, p in stacked.blocks[0].named_parameters()]
+    names, shapes = [n for n, _ in named], [s for _, s in named]
+    missing = unruled(names, rules) if tensor > 1 else []
+    if not missing:
+        return tensor_dims(names, shapes, tensor, rules)
+    if capture.sample_input is None:
+        raise ValueError(unruled_message(tensor, missing, " (pass sample_input=<a batch> and xpipe reads them from "
+                                                          "the block's graph)"))
+    try:
+        inferred = infer_tensor_dims(stacked.blocks[0], block_inputs(stacked, capture.sample_input))
+    except CannotInfer as reason:
+        raise ValueError(unruled_message(tensor, missing, f", and the block's graph does not tell: {reason}")) from None
+    return tensor_dims(names, shapes, tensor, rules, inferred)
 
 
 def build_devices(capture: ModelCapture, options: Options) -> Built:

@@ -106,40 +106,57 @@ def check_rules(rules: Rules | None) -> dict[str, int | None]:
 
 
 def tensor_dims(names: Iterable[str], shapes: Iterable[tuple[int, ...]], tensor: int,
-                rules: Rules | None = None) -> list[int | None]:
+                rules: Rules | None = None, inferred: Rules | None = None) -> list[int | None]:
     """For each block weight (its name and shape), the dim "tensor" splits, or None.
 
     The user's ``rules`` are tried before the built-in ones; the first pattern
-    that matches a name decides. With ``tensor == 1`` nothing is split.
+    that matches a name decides. A weight no pattern matches takes its dim from
+    ``inferred`` (by name: what :mod:`xpipe.tensor_inference` read from the
+    block's graph). With ``tensor == 1`` nothing is split.
 
     Raises:
-        ValueError: with ``tensor > 1``, naming the weights no rule covers, or
-            those whose split dim the tensor size does not divide (or that have no such dim).
+        ValueError: with ``tensor > 1``, naming the weights no rule covers and
+            ``inferred`` does not name, or those whose split dim the tensor size
+            does not divide (or that have no such dim).
     """
     names, shapes = list(names), [tuple(s) for s in shapes]
     if tensor == 1:
         return [None] * len(names)
-    ordered = {**check_rules(rules), **{k: v for k, v in BUILT_IN.items() if k not in (rules or {})}}
-    dims: list[int | None] = []
-    unruled, uneven = [], []
-    for name, shape in zip(names, shapes):
-        pattern = next((p for p in ordered if fnmatch.fnmatchcase(name, p)), None)
-        if pattern is None:
-            unruled.append(name)
-            dims.append(None)
-            continue
-        dim = ordered[pattern]
-        if dim is not None and (dim >= len(shape) or shape[dim] % tensor):
-            uneven.append(f"{name} {list(shape)} (dim {dim})")
-        dims.append(dim)
-    if unruled:
-        raise ValueError(f"tensor_rules: no rule says how tensor={tensor} splits the block weights {unruled}; "
-                         "give Pipe(..., tensor_rules={'<name pattern>': <dim>}) (None keeps a weight whole on "
-                         "every device of a tensor group), or use tensor=1")
+    inferred = inferred or {}
+    missing = [name for name in unruled(names, rules) if name not in inferred]
+    if missing:
+        raise ValueError(unruled_message(tensor, missing))
+    ordered = _ordered(rules)
+    dims = [_rule(name, ordered, inferred) for name in names]
+    uneven = [f"{name} {list(shape)} (dim {dim})" for name, shape, dim in zip(names, shapes, dims)
+              if dim is not None and (dim >= len(shape) or shape[dim] % tensor)]
     if uneven:
         raise ValueError(f"tensor: {tensor} does not divide the split dim of {uneven}; use a tensor size that "
                          "divides it, or a rule of None for those weights")
     return dims
+
+
+def unruled(names: Iterable[str], rules: Rules | None = None) -> list[str]:
+    """The names that neither ``rules`` nor the built-in rules cover."""
+    ordered = _ordered(rules)
+    return [name for name in names if not any(fnmatch.fnmatchcase(name, p) for p in ordered)]
+
+
+def unruled_message(tensor: int, names: list[str], why: str = "") -> str:
+    """The refusal for block weights no rule covers (``why``: what reading the block's graph found)."""
+    return (f"tensor_rules: no rule says how tensor={tensor} splits the block weights {names}"
+            f"{why}; give Pipe(..., tensor_rules={{'<name pattern>': <dim>}}) (None keeps a weight whole on "
+            "every device of a tensor group), or use tensor=1")
+
+
+def _ordered(rules: Rules | None) -> dict[str, int | None]:
+    """The user's rules, then the built-in ones they do not replace."""
+    return {**check_rules(rules), **{k: v for k, v in BUILT_IN.items() if k not in (rules or {})}}
+
+
+def _rule(name: str, ordered: Rules, inferred: Rules) -> int | None:
+    pattern = next((p for p in ordered if fnmatch.fnmatchcase(name, p)), None)
+    return inferred[name] if pattern is None else ordered[pattern]
 
 
 def check_head_counts(model: nn.Module, tensor: int) -> None:

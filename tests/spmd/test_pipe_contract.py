@@ -149,6 +149,34 @@ def test_convolution_weights_split_over_tensor_are_refused_before_they_abort_xla
     assert pipe.executor == "spmd"
 
 
+class ExpertsBlock(nn.Module):
+    """A residual block whose weight stacks two experts, mixed by an einsum."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.experts = nn.Parameter(torch.randn(2, width, width) / width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.einsum("bi,eij->bj", x, self.experts)
+
+
+def test_block_weights_no_rule_covers_and_the_graph_cannot_split_are_refused_before_device_work():
+    """No built-in rule names ``experts``, and the block's graph does not say how to
+    split a weight an einsum uses: ``tensor_rules`` is asked for, the model untouched."""
+    model = nn.Sequential(nn.Linear(8, 16), *(ExpertsBlock(16) for _ in range(4)), nn.Linear(16, 4))
+    mesh = xpipe.make_mesh(2, fsdp=2, tensor=2)
+    with pytest.raises(ValueError, match=r"tensor_rules: no rule says how tensor=2 splits the block weights "
+                                         r"\['1.experts'\] \(pass sample_input=<a batch> and xpipe reads them"):
+        xpipe.Pipe(model, chunks=2, mesh=mesh)
+    with pytest.raises(ValueError, match=r"\['1.experts'\], and the block's graph does not tell: the weight "
+                                         r"1.experts is used by aten.einsum.default, not by a linear; give "
+                                         r"Pipe\(..., tensor_rules="):
+        xpipe.Pipe(model, chunks=2, mesh=mesh, sample_input=torch.randn(2, 8))
+    assert all(p.device.type == "cpu" for p in model.parameters())
+    pipe = xpipe.Pipe(model, chunks=2, mesh=mesh, tensor_rules={"*.experts": 0})
+    assert pipe.runner.body.dims == [0]
+
+
 def test_recomputed_and_kept_microbatches_get_the_same_masks(mesh):
     gradients = {}
     for checkpoint in ("always", "never"):

@@ -274,6 +274,14 @@ def _side_rows(pre: torch.fx.GraphModule, count: int, sample_input: Any) -> tupl
     return tuple(rows)
 
 
+def block_inputs(stacked: StackedModel, sample_input: Any) -> tuple[torch.Tensor, ...]:
+    """What the body's first block is called with on ``sample_input``: the stream and
+    the side inputs, as fake tensors (shapes and dtypes; nothing is computed)."""
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        inputs = [mode.from_tensor(x) if isinstance(x, torch.Tensor) else x for x in flat_inputs(sample_input)]
+        return _as_tuple(stacked.pre(*inputs))[:1 + len(stacked.side_rows)]
+
+
 def _as_tuple(value: Any) -> tuple:
     return value if isinstance(value, tuple) else (value,)
 

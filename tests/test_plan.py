@@ -187,3 +187,18 @@ def test_a_mixture_of_experts_block_saves_every_experts_activations():
     moe = profile_of_config(MixtralConfig(**shape, intermediate_size=128, num_local_experts=4), 64)
     dense = profile_of_config(LlamaConfig(**shape, intermediate_size=512), 64)
     assert moe.block_saved_bytes_per_row == dense.block_saved_bytes_per_row
+
+
+def test_a_model_no_rule_names_is_planned_on_tensor_meshes_with_the_splits_its_graph_tells():
+    """xpipe's own LM names its linears ``qkv``, ``proj``, ``up``, ``down``: its profile
+    carries the splits read from its block's graph, so tensor layouts are planned,
+    with the packed ``qkv`` whole."""
+    from xpipe.models import transformer_lm
+
+    model = transformer_lm(blocks=4, width=32, heads=4, seq=8, vocab=64)
+    profile = profile_of_model(model, torch.zeros(2, 8, dtype=torch.long))
+    assert dict(profile.read_tensor_dims)["blocks.0.qkv.weight"] is None
+    assert dict(profile.read_tensor_dims)["blocks.0.up.weight"] == 0
+    result = xpipe.plan(profile, devices=8, batch=16)
+    assert any(p.layout.tensor > 1 for p in result.fitting)
+    assert profile_of_model(llama(4), {"input_ids": tokens(2, 8)}).read_tensor_dims == ()  # the built-in rules name all

@@ -249,7 +249,7 @@ def layouts(profile: ModelProfile, devices: int, batch: int, checkpoints: tuple[
             if tensor > max_tensor or any(count % tensor for count in profile.heads):
                 continue
             try:
-                tensor_dims(names, shapes, tensor, tensor_rules)
+                tensor_dims(names, shapes, tensor, tensor_rules, dict(profile.read_tensor_dims))
             except ValueError:
                 continue
             for fsdp in _divisors(devices // (stages * tensor)):
@@ -288,7 +288,8 @@ def predict(profile: ModelProfile, layout: Layout, *, chip: Chip, batch: int, ca
     schedule = _schedule(layout.schedule, layout.stages, chunks, layout.virtual)
     depth = max(spread(profile.blocks, layout.stages * layout.virtual))  # block slots per model stage
     names, shapes = zip(*profile.block_weights)
-    split = [dim is not None for dim in tensor_dims(names, shapes, layout.tensor, tensor_rules)]
+    split = [dim is not None
+             for dim in tensor_dims(names, shapes, layout.tensor, tensor_rules, dict(profile.read_tensor_dims))]
     stacked = [(layout.stages, layout.virtual * depth, math.prod(shape)) for shape in shapes]
     check_gather(layout.gather, layout.checkpoint)
     weights = per_device(stacked=stacked, outer=profile.outer_weights, axes=axes, split=split, itemsize=itemsize,

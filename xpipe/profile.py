@@ -14,6 +14,7 @@ Two sources:
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -38,6 +39,9 @@ class ModelProfile:
     itemsize: int  # bytes per element the above were counted in
     heads: tuple[int, ...] = ()  # the attention head counts a tensor size must divide
     tokens_per_row: int = 0  # a row's sequence length, where known (a config's), for the loss's segments
+    # The split dims of the block weights no built-in rule names, read from the block's graph
+    # (xpipe.tensor_inference) where it tells; empty otherwise.
+    read_tensor_dims: tuple[tuple[str, int | None], ...] = ()
 
     @property
     def parameters(self) -> int:
@@ -48,10 +52,10 @@ class ModelProfile:
     def scaled(self, itemsize: int) -> ModelProfile:
         """The same model with its activations counted in ``itemsize`` bytes per element."""
         ratio = itemsize / self.itemsize
-        return ModelProfile(self.name, self.blocks, self.block_weights, self.outer_weights,
-                            self.block_flops_per_row, self.outer_flops_per_row, self.stream_bytes_per_row * ratio,
-                            self.block_saved_bytes_per_row * ratio, self.outer_saved_bytes_per_row * ratio,
-                            itemsize, self.heads, self.tokens_per_row)
+        return dataclasses.replace(self, stream_bytes_per_row=self.stream_bytes_per_row * ratio,
+                                   block_saved_bytes_per_row=self.block_saved_bytes_per_row * ratio,
+                                   outer_saved_bytes_per_row=self.outer_saved_bytes_per_row * ratio,
+                                   itemsize=itemsize)
 
 
 def profile_of_model(model: nn.Module, sample_input: Any) -> ModelProfile:
@@ -92,7 +96,25 @@ def profile_of_model(model: nn.Module, sample_input: Any) -> ModelProfile:
         outer_flops_per_row=(total_flops - repeated.count * block_flops) / rows,
         stream_bytes_per_row=entry_bytes(graph)[repeated.start] / rows,
         block_saved_bytes_per_row=block_saved / rows, outer_saved_bytes_per_row=outer_saved / rows,
-        itemsize=itemsize, heads=_head_counts(model))
+        itemsize=itemsize, heads=_head_counts(model),
+        read_tensor_dims=_read_tensor_dims(model, captured, sample_input, [name for name, _ in block_params]))
+
+
+def _read_tensor_dims(model: nn.Module, captured: Any, sample_input: Any,
+                      names: list[str]) -> tuple[tuple[str, int | None], ...]:
+    """The split dims read from the block's graph, where a block weight no built-in
+    rule names needs them and the graph tells (the model is captured once more)."""
+    from xpipe.spmd.stacking import block_inputs, cut_for_stacking
+    from xpipe.tensor_inference import infer_tensor_dims
+    from xpipe.tensor_rules import unruled
+
+    if not unruled(names):
+        return ()
+    try:
+        stacked = cut_for_stacking(model, captured, sample_input)
+        return tuple(infer_tensor_dims(stacked.blocks[0], block_inputs(stacked, sample_input)).items())
+    except ValueError:  # not stackable, or the graph does not tell (CannotInfer)
+        return ()  # no tensor layout is planned for it, as without a rule
 
 
 def profile_of_config(config: Any, seq: int, itemsize: int = 2) -> ModelProfile:

@@ -111,10 +111,19 @@ class Rolled(nn.Module):
         return x + self.down(torch.roll(self.up(x), 1, -1))
 
 
+class Branching(Rolled):
+    """A block whose path depends on its input's values: no graph without them."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) if x.sum() > 0 else x
+
+
 def test_what_the_inference_cannot_read_is_refused_naming_it():
     with pytest.raises(CannotInfer, match=r"roll .*reads the split output features of up.weight, and the inference "
                                           r"does not know how it moves them"):
         infer_tensor_dims(Rolled(), [torch.randn(2, 16)])
+    with pytest.raises(CannotInfer, match=r"the block cannot be traced to aten operations"):
+        infer_tensor_dims(Branching(), [torch.randn(2, 16)])
     block, inputs = first_block(mixtral(2), lm_sample())
     with pytest.raises(CannotInfer, match=r"the weight model.layers.0.mlp.experts.gate_up_proj is used by "
                                           r"aten.einsum.default, not by a linear"):

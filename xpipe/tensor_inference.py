@@ -122,7 +122,11 @@ def _aten_graph(block: nn.Module, inputs: Sequence[Any]) -> tuple[torch.fx.Graph
     with mode:
         fake = [mode.from_tensor(x) if isinstance(x, torch.Tensor) and not isinstance(x, FakeTensor) else x
                 for x in inputs]
-        traced = make_fx(run, pre_dispatch=True)(params, *fake)
+        try:
+            traced = make_fx(run, pre_dispatch=True)(params, *fake)
+        except Exception as error:  # the user's block, traced by torch: any of its errors means "cannot read"
+            raise CannotInfer(f"the block cannot be traced to aten operations ({type(error).__name__}: "
+                              f"{str(error).splitlines()[0] if str(error) else ''})") from error
     placeholders = [n for n in traced.graph.nodes if n.op == "placeholder"]
     return traced.graph, dict(zip(placeholders, params))
 
@@ -239,9 +243,18 @@ class _Reading:
         """The state of an operation that reads features split along a dim."""
         if op in _ELEMENTWISE:
             return self._elementwise(node)
+        if op == "cat":
+            return self._cat(node)
+        if op in ("matmul", "bmm", "mm"):
+            return self._matmul(node)
+        if op in _ATTENTION:
+            return self._attention(node)
+        source = self._region(node.args[0]) if node.args else None
+        if source is None or source.dim is None:  # the split features come in another way
+            raise self._unknown(node)
         if op in _RESHAPES:
             return self._reshape(node)
-        if op in ("transpose", "t", "permute", "swapaxes"):
+        if op in ("transpose", "t", "numpy_T", "permute", "swapaxes"):
             return self._permute(node, op)
         if op in ("slice", "select", "narrow"):
             return self._take(node, op)
@@ -251,16 +264,13 @@ class _Reading:
             return self._reduce(node)
         if op in _LAYER_NORMS:
             return self._layer_norm(node)
-        if op == "cat":
-            return self._cat(node)
-        if op in ("matmul", "bmm", "mm"):
-            return self._matmul(node)
-        if op in _ATTENTION:
-            return self._attention(node)
+        raise self._unknown(node)
+
+    def _unknown(self, node: torch.fx.Node) -> CannotInfer:
         weights = sorted(self.params[self._opener_weight(o)] for r in map(self._region, node.all_input_nodes)
                          if r is not None for o in r.openers)
-        raise CannotInfer(f"{node.name} ({node.target}) reads the split output features of {', '.join(weights)}, "
-                          "and the inference does not know how it moves them")
+        return CannotInfer(f"{node.name} ({node.target}) reads the split output features of {', '.join(weights)}, "
+                           "and the inference does not know how it moves them")
 
     def _opener_weight(self, opener: torch.fx.Node) -> torch.fx.Node:
         linear = _linear(opener, self.params, self.transposed)

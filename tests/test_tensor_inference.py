@@ -12,7 +12,7 @@ from xpipe.build import ModelCapture
 from xpipe.models import Block, MLPBlock
 from xpipe.spmd.stacking import block_inputs
 from xpipe.tensor_inference import CannotInfer, infer_tensor_dims
-from xpipe.tensor_rules import tensor_dims
+from xpipe.tensor_rules import tensor_dims, unruled
 
 
 class EncoderStack(nn.Module):
@@ -128,3 +128,24 @@ def test_what_the_inference_cannot_read_is_refused_naming_it():
     with pytest.raises(CannotInfer, match=r"the weight model.layers.0.mlp.experts.gate_up_proj is used by "
                                           r"aten.einsum.default, not by a linear"):
         infer_tensor_dims(block, inputs)
+
+
+def test_a_linear_named_as_gpt2_names_its_conv1d_is_split_as_its_graph_shows():
+    """GPTBigCode's ``c_fc`` and ``c_proj`` are ``nn.Linear`` (``[out, in]``), named as
+    GPT-2's ``Conv1D`` (``[in, out]``): the built-in rules would split each on the wrong
+    dim; the graph's dims win where both split. A user's rule still wins over the graph."""
+    from transformers import GPTBigCodeConfig, GPTBigCodeForCausalLM
+
+    torch.manual_seed(0)
+    model = GPTBigCodeForCausalLM(GPTBigCodeConfig(vocab_size=128, n_embd=32, n_layer=2, n_head=4, use_cache=False))
+    block, inputs = first_block(model, lm_sample())
+    read = infer_tensor_dims(block, inputs)
+    names, shapes = zip(*[(name, p.shape) for name, p in block.named_parameters()])
+    assert not unruled(names)
+    assert {n.split(".", 3)[-1]: d for n, d in read.items() if n.endswith("weight")} == {
+        "ln_1.weight": None, "attn.c_attn.weight": None, "attn.c_proj.weight": 1, "ln_2.weight": None,
+        "mlp.c_fc.weight": 0, "mlp.c_proj.weight": 1}
+    assert [dim for name, dim in zip(names, tensor_dims(names, shapes, 2)) if "c_fc.weight" in name] == [1]
+    assert dict(zip(names, tensor_dims(names, shapes, 2, inferred=read))) == read
+    users = {"*.mlp.c_fc.weight": None}
+    assert [dim for name, dim in zip(names, tensor_dims(names, shapes, 2, users, read)) if "c_fc.weight" in name] == [None]

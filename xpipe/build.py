@@ -158,22 +158,26 @@ def build_spmd(capture: ModelCapture, options: Options) -> Built:
 
 def block_tensor_dims(capture: ModelCapture, tensor: int, rules: dict[str, int | None]) -> list[int | None]:
     """Each block weight's split dim over "tensor" (or None): by the user's rules,
-    then the built-in ones, and, for the weights no rule covers, as read from the
-    block's graph (:mod:`xpipe.tensor_inference`). Refused before any device work
-    where the graph cannot tell."""
+    then the built-in ones, and as read from the block's graph
+    (:mod:`xpipe.tensor_inference`) for the weights no rule covers and those a
+    built-in rule splits on the wrong dim (:func:`xpipe.tensor_rules.tensor_dims`).
+    Refused before any device work where no rule covers a weight and the graph
+    cannot tell."""
     stacked = capture.stacked()
     named = [(name, tuple(p.shape)) for name, p in stacked.blocks[0].named_parameters()]
     names, shapes = [n for n, _ in named], [s for _, s in named]
-    missing = unruled(names, rules) if tensor > 1 else []
-    if not missing:
+    if tensor == 1:
         return tensor_dims(names, shapes, tensor, rules)
-    if capture.sample_input is None:
-        raise ValueError(unruled_message(tensor, missing, " (pass sample_input=<a batch> and xpipe reads them from "
-                                                          "the block's graph)"))
     try:
+        if capture.sample_input is None:
+            raise CannotInfer("xpipe reads it on a batch, and no sample_input= was given")
         inferred = infer_tensor_dims(stacked.blocks[0], block_inputs(stacked, capture.sample_input))
     except CannotInfer as reason:
-        raise ValueError(unruled_message(tensor, missing, f", and the block's graph does not tell: {reason}")) from None
+        missing = unruled(names, rules)
+        if missing:
+            raise ValueError(unruled_message(tensor, missing, f", and the block's graph does not tell: {reason}")
+                             ) from None
+        inferred = {}
     return tensor_dims(names, shapes, tensor, rules, inferred)
 
 

@@ -245,6 +245,8 @@ class _Reading:
             return self._elementwise(node)
         if op == "cat":
             return self._cat(node)
+        if op == "stack":
+            return self._stack(node)
         if op in ("matmul", "bmm", "mm"):
             return self._matmul(node)
         if op in _ATTENTION:
@@ -370,6 +372,13 @@ class _Reading:
         if joined.dim is not None and dim % len(_shape(node)) == joined.dim:
             return self._keep_whole(joined)
         return joined
+
+    def _stack(self, node: torch.fx.Node) -> Region:
+        new = (node.args[1] if len(node.args) > 1 else 0) % len(_shape(node))  # the dim stacking makes
+        regions = [r for r in map(self._region, node.args[0]) if r is not None]
+        joined = Region(frozenset().union(*(r.openers for r in regions)), None)
+        dims = {r.dim + (r.dim >= new) for r in regions if r.dim is not None}
+        return Region(joined.openers, dims.pop()) if len(dims) == 1 else self._keep_whole(joined)
 
     def _matmul(self, node: torch.fx.Node) -> Region:
         rank = len(_shape(node))

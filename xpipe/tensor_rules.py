@@ -112,7 +112,11 @@ def tensor_dims(names: Iterable[str], shapes: Iterable[tuple[int, ...]], tensor:
     The user's ``rules`` are tried before the built-in ones; the first pattern
     that matches a name decides. A weight no pattern matches takes its dim from
     ``inferred`` (by name: what :mod:`xpipe.tensor_inference` read from the
-    block's graph). With ``tensor == 1`` nothing is split.
+    block's graph), and so does one a built-in rule splits where the graph shows it
+    split on its other dim: a name alone does not tell an ``nn.Linear``'s
+    ``[out, in]`` weight from GPT-2's ``Conv1D`` ``[in, out]`` one (GPTBigCode and
+    Starcoder2 name their linears as GPT-2 names its Conv1Ds). With ``tensor == 1``
+    nothing is split.
 
     Raises:
         ValueError: with ``tensor > 1``, naming the weights no rule covers and
@@ -127,7 +131,7 @@ def tensor_dims(names: Iterable[str], shapes: Iterable[tuple[int, ...]], tensor:
     if missing:
         raise ValueError(unruled_message(tensor, missing))
     ordered = _ordered(rules)
-    dims = [_rule(name, ordered, inferred) for name in names]
+    dims = [_rule(name, ordered, check_rules(rules), inferred) for name in names]
     uneven = [f"{name} {list(shape)} (dim {dim})" for name, shape, dim in zip(names, shapes, dims)
               if dim is not None and (dim >= len(shape) or shape[dim] % tensor)]
     if uneven:
@@ -154,9 +158,13 @@ def _ordered(rules: Rules | None) -> dict[str, int | None]:
     return {**check_rules(rules), **{k: v for k, v in BUILT_IN.items() if k not in (rules or {})}}
 
 
-def _rule(name: str, ordered: Rules, inferred: Rules) -> int | None:
+def _rule(name: str, ordered: Rules, users: Rules, inferred: Rules) -> int | None:
+    """``name``'s dim: the first rule that matches it, or the graph's (see :func:`tensor_dims`)."""
     pattern = next((p for p in ordered if fnmatch.fnmatchcase(name, p)), None)
-    return inferred[name] if pattern is None else ordered[pattern]
+    if pattern is None:
+        return inferred[name]
+    dim, read = ordered[pattern], inferred.get(name)
+    return read if pattern not in users and None not in (dim, read) else dim
 
 
 def check_head_counts(model: nn.Module, tensor: int) -> None:

@@ -166,7 +166,8 @@ def test_block_weights_no_rule_covers_and_the_graph_cannot_split_are_refused_bef
     model = nn.Sequential(nn.Linear(8, 16), *(ExpertsBlock(16) for _ in range(4)), nn.Linear(16, 4))
     mesh = xpipe.make_mesh(2, fsdp=2, tensor=2)
     with pytest.raises(ValueError, match=r"tensor_rules: no rule says how tensor=2 splits the block weights "
-                                         r"\['1.experts'\] \(pass sample_input=<a batch> and xpipe reads them"):
+                                         r"\['1.experts'\], and the block's graph does not tell: xpipe reads it on a "
+                                         r"batch, and no sample_input= was given"):
         xpipe.Pipe(model, chunks=2, mesh=mesh)
     with pytest.raises(ValueError, match=r"\['1.experts'\], and the block's graph does not tell: the weight "
                                          r"1.experts is used by aten.einsum.default, not by a linear; give "

@@ -25,6 +25,10 @@ reduction over "tensor" sums the experts' outputs, as after a row-parallel layer
 A Megatron split of each expert's matrices would need its packed gate and up
 projections (``experts.gate_up_proj``) split part by part, which is not built.
 
+Weights no rule names are split as read from the block's graph
+(:mod:`xpipe.tensor_inference`), which also corrects a built-in rule's dim where
+the graph shows the weight split on its other one (:func:`tensor_dims`).
+
 Pure: no torch_xla; the spmd executor applies the rules (:mod:`xpipe.spmd.executor`).
 """
 

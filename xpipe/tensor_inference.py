@@ -17,12 +17,14 @@ are taken apart) is split, whole heads per device. To tell the two apart, the
 reading follows, through every reshape and transpose, the dim that holds the
 outermost factor of the opening features (the one a contiguous split divides).
 
-What the reading cannot follow it refuses rather than guesses: a reduction across
-that dim (a router's softmax over experts), a weight used other than by a linear
-(an expert's stacked matrices), an operation it does not know on a region value.
-A wrong split would still compute the right numbers (XLA's partitioner inserts
-what any split needs), but with collectives Megatron does not pay; a refusal
-asks the user for ``tensor_rules=`` instead.
+Features reduced across that dim (a router's softmax over experts), merged into a
+dim before it, or joined with others split along another dim stay whole too, and
+so does the linear that made them. What the reading cannot follow it refuses
+rather than guesses: a weight used other than by a linear (an expert's stacked
+matrices), an operation it does not know on split features, a block torch cannot
+trace. A wrong split would still compute the right numbers (XLA's partitioner
+inserts what any split needs), but with collectives Megatron does not pay; a
+refusal asks the user for ``tensor_rules=`` instead.
 
 Pure: torch only, no torch_xla.
 """

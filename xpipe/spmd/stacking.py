@@ -263,8 +263,7 @@ def _side_rows(pre: torch.fx.GraphModule, count: int, sample_input: Any) -> tupl
     inputs = flat_inputs(sample_input)
     doubled = [torch.cat([x, x]) if isinstance(x, torch.Tensor) and x.dim() else x for x in inputs]
     with FakeTensorMode(allow_non_fake_inputs=True) as mode:
-        once = _as_tuple(pre(*[mode.from_tensor(x) if isinstance(x, torch.Tensor) else x for x in inputs]))
-        twice = _as_tuple(pre(*[mode.from_tensor(x) if isinstance(x, torch.Tensor) else x for x in doubled]))
+        once, twice = _on_fakes(pre, inputs, mode), _on_fakes(pre, doubled, mode)
     rows = []
     for index, (a, b) in enumerate(zip(once[1:count + 1], twice[1:count + 1])):
         if not isinstance(a, torch.Tensor) or a.dim() == 0:
@@ -278,8 +277,12 @@ def block_inputs(stacked: StackedModel, sample_input: Any) -> tuple[torch.Tensor
     """What the body's first block is called with on ``sample_input``: the stream and
     the side inputs, as fake tensors (shapes and dtypes; nothing is computed)."""
     with FakeTensorMode(allow_non_fake_inputs=True) as mode:
-        inputs = [mode.from_tensor(x) if isinstance(x, torch.Tensor) else x for x in flat_inputs(sample_input)]
-        return _as_tuple(stacked.pre(*inputs))[:1 + len(stacked.side_rows)]
+        return _on_fakes(stacked.pre, flat_inputs(sample_input), mode)[:1 + len(stacked.side_rows)]
+
+
+def _on_fakes(pre: torch.fx.GraphModule, inputs: list[Any], mode: FakeTensorMode) -> tuple:
+    """``pre``'s outputs on fake copies of ``inputs`` (shapes only; nothing is computed)."""
+    return _as_tuple(pre(*[mode.from_tensor(x) if isinstance(x, torch.Tensor) else x for x in inputs]))
 
 
 def _as_tuple(value: Any) -> tuple:

@@ -5,6 +5,7 @@ written shard by shard, each chunk once."""
 import copy
 import json
 import math
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -15,10 +16,11 @@ import xpipe
 import xpipe.checkpoints.shards
 from xpipe.spmd.state_map import StateMap
 from xpipe._host_memory import PeakResident
+from xpipe._xla import sharding_spec
 from xpipe.models import mlp_stack, transformer_lm
 from checkpoint_checks import (assert_chunks_tile_every_tensor, assert_each_device_loaded_its_shard, held_shards,
                                load_buffers_alive, loaded_from_shards, no_sharded_tensor_put_together)
-from equivalence import assert_loads_exactly, step_losses
+from equivalence import assert_loads_exactly, compiled, step_losses
 from fresh_process import call_in_fresh_process
 from pipe_checks import batch_for, loss_of, tiny_lm
 
@@ -99,10 +101,12 @@ def train_six_steps_and_save(folder: str) -> None:
 
 def test_shards_with_padding_save_and_load_into_other_layouts(tmp_path, monkeypatch):
     """Blocks of width 7 on 2 stages x 4 fsdp: every block weight's 49 (or 7) elements
-    split unevenly, its last shard padded. Saved after two AdamW steps (slot by slot,
-    as a large model's), loaded into 4 stages x 2 fsdp and the plain model: weights
-    and AdamW state bit-equal."""
+    split unevenly, its last shard padded. Saved after two AdamW steps and loaded, slot
+    by slot as a large model's, back into the Pipe (after a third step) and into
+    4 stages x 2 fsdp, and into the plain model: weights and AdamW state bit-equal,
+    and the Pipe's next step compiles nothing."""
     monkeypatch.setattr(xpipe.checkpoints.shards, "WHOLE_FETCH_BYTES", 0)
+    monkeypatch.setattr(xpipe.checkpoints.shards, "LOAD_PIECE_BYTES", 0)  # loaded slot by slot, too
     model = mlp_stack(blocks=4, width=7, inputs=8, outputs=4)
     plain = copy.deepcopy(model)
     pipe = xpipe.Pipe(model, chunks=4, mesh=xpipe.make_mesh(2, fsdp=4), loss_fn=loss_of)
@@ -111,17 +115,25 @@ def test_shards_with_padding_save_and_load_into_other_layouts(tmp_path, monkeypa
     with no_sharded_tensor_put_together():
         xpipe.save(tmp_path / "ckpt", pipe, optimizer, step=2)
     saved = pipe.host_state_dict()
+    step_losses(pipe, optimizer, [batch_for(plain, 8)])  # other values than the checkpoint's, in the same layout
     other = xpipe.Pipe(mlp_stack(blocks=4, width=7, inputs=8, outputs=4), chunks=4,
                        mesh=xpipe.make_mesh(4, fsdp=2), loss_fn=loss_of)
     other_optimizer = torch.optim.AdamW(other.parameters(), lr=1e-2)
     plain_optimizer = torch.optim.AdamW(plain.parameters(), lr=1e-2)
     with loaded_from_shards() as loads:
-        assert_loads_exactly(tmp_path / "ckpt", saved, (other, other_optimizer), (plain, plain_optimizer))
+        assert_loads_exactly(tmp_path / "ckpt", saved, (pipe, optimizer), (other, other_optimizer),
+                             (plain, plain_optimizer))
     assert any(math.prod(shape) % len(places) for shape, tiled, places in loads if tiled), "no uneven shard loaded"
     moments = {name: plain_optimizer.state[p]["exp_avg"] for name, p in plain.named_parameters()}
-    for name, parameter in other.runner.named_parameters():  # stacked: compare through the state's names
-        for named, value in other.checkpoint_state().named_slices(parameter, other_optimizer.state[parameter]["exp_avg"].cpu()):
-            assert torch.equal(value, moments[named]), named
+    for loaded, loaded_optimizer in (pipe, optimizer), (other, other_optimizer):
+        for name, parameter in loaded.runner.named_parameters():  # stacked: compare through the state's names
+            exp_avg = loaded_optimizer.state[parameter]["exp_avg"].cpu()
+            for named, value in loaded.checkpoint_state().named_slices(parameter, exp_avg):
+                assert torch.equal(value, moments[named]), named
+    # Put in place slot by slot, each tensor keeps its sharding: the step runs the program it ran before.
+    before = compiled()
+    step_losses(pipe, optimizer, [batch_for(plain, 8)])
+    assert compiled() == before
 
     # Refused late (a checkpoint that does not record its optimizer's kind, loaded into SGD
     # with momentum): the shards already read are dropped, and nothing on the devices changed.
@@ -174,6 +186,48 @@ def test_host_state_dict_is_put_together_from_the_shards():
     for key, value in pipe.state_dict().items():
         assert host[key].device.type == "cpu"
         assert torch.equal(host[key], value.cpu()), key
+
+
+def test_a_load_puts_stacked_tensors_back_slot_by_slot_in_place(tmp_path, monkeypatch):
+    """4 blocks on 2 stages x 4 fsdp, every tensor loaded a piece at a time (as one of
+    more than ``LOAD_PIECE_BYTES``): each stacked weight and AdamW state slot by slot,
+    copied into the tensor the Pipe holds. Loaded after a further step, every value is
+    the checkpoint's again, each tensor keeps its sharding, and the next step runs the
+    program it ran before."""
+    monkeypatch.setattr(xpipe.checkpoints.shards, "LOAD_PIECE_BYTES", 0)
+    pieces = []
+    load_by_pieces = xpipe.checkpoints.shards._load_by_pieces
+
+    def recorded(tensor, shards, dim, length):
+        pieces.append((tuple(tensor.shape), dim, length))
+        load_by_pieces(tensor, shards, dim, length)
+
+    monkeypatch.setattr(xpipe.checkpoints.shards, "_load_by_pieces", recorded)
+    pipe = xpipe.Pipe(tiny_lm(blocks=4), chunks=2, mesh=xpipe.make_mesh(2, fsdp=4), loss_fn=loss_of)
+    optimizer = torch.optim.AdamW(pipe.parameters(), lr=1e-2)
+    data = [batch_for(tiny_lm(), 8)] * 2
+    step_losses(pipe, optimizer, data[:1])
+    xpipe.save(tmp_path / "ckpt", pipe, optimizer, step=1)
+    saved = pipe.host_state_dict()
+    moments = {id(p): optimizer.state[p]["exp_avg"].cpu() for p in pipe.parameters()}
+    shardings = [sharding_spec(tensor) for tensor in _tensors_of(pipe, optimizer)]
+    step_losses(pipe, optimizer, data[1:])
+    assert xpipe.load(tmp_path / "ckpt", pipe, optimizer) == (1, None)
+    stacked = [tuple(weight.shape) for weight in pipe.runner.body.weights]
+    by_slot = Counter(piece for piece in pieces if piece[0] in stacked)
+    assert by_slot == Counter((shape, 1, 1) for shape in stacked for _ in range(3))  # a weight and its two states
+    assert all(torch.equal(value, saved[key]) for key, value in pipe.host_state_dict().items())
+    assert all(torch.equal(optimizer.state[p]["exp_avg"].cpu(), moments[id(p)]) for p in pipe.parameters())
+    assert [sharding_spec(tensor) for tensor in _tensors_of(pipe, optimizer)] == shardings
+    before = compiled()
+    step_losses(pipe, optimizer, data[1:])
+    assert compiled() == before
+
+
+def _tensors_of(pipe: xpipe.Pipe, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """The Pipe's parameters and their AdamW states, in order."""
+    return [tensor for p in pipe.parameters() for tensor in (p, optimizer.state[p]["exp_avg"],
+                                                             optimizer.state[p]["exp_avg_sq"])]
 
 
 @pytest.mark.full

@@ -23,6 +23,7 @@ from xpipe._xla import (kept_shardings, load_local_shards, local_shard_places, l
 
 WHOLE_FETCH_BYTES = 2**20  # a tensor this small reaches the host whole, not one slot at a time
 TRIM_AFTER_BYTES = 2**20  # a load hands freed memory back to the system after buffers this large
+LOAD_PIECE_BYTES = 4 * 2**20  # a load writes a larger sharded tensor into its devices a piece at a time
 
 
 
@@ -135,9 +136,16 @@ class ShardBuffers:
         return [self._buffers[shard] for shard in self._of_device]
 
     def load_into(self, tensor: torch.Tensor) -> None:
-        """Write the buffers into ``tensor`` (the tensor they were made for) on its devices, in place."""
+        """Write the buffers into ``tensor`` (the tensor they were made for) on its devices,
+        in place: a sharded tensor of more than ``LOAD_PIECE_BYTES`` a piece at a time
+        (:func:`_load_by_pieces`), so that the devices hold one piece beside it, not a
+        second copy of it."""
         if self._sharded:
-            load_local_shards(tensor, self._device_data())
+            cut = _piece_cut(tensor)
+            if cut is None:
+                load_local_shards(tensor, self._device_data())
+            else:
+                _load_by_pieces(tensor, self._device_data(), *cut)
             return
         kept = kept_shardings([tensor])  # a replicated tensor: torch_xla takes it whole
         with torch.no_grad():
@@ -151,6 +159,47 @@ class ShardBuffers:
         if not self._sharded:
             return self._device_data()[0].to(self._like.device)
         return tensor_from_shards(self._device_data(), op_sharding(self._like), list(self._like.shape))
+
+
+def _piece_cut(tensor: torch.Tensor) -> tuple[int, int] | None:
+    """How a load writes the sharded ``tensor`` a piece at a time: along which dim (the
+    first that no shard splits: a stacked weight's slots), and how many of its indices
+    per piece (the fewest equal pieces of at most ``LOAD_PIECE_BYTES``, else one index
+    each). None to write it whole: a tensor of at most ``LOAD_PIECE_BYTES``; one whose
+    shards are uneven (a copy into it comes back whole on every device: measured, the
+    tensor left replicated); or one whose every dim of more than one index is split."""
+    size = tensor.numel() * tensor.element_size()
+    counts = _tile_counts(tensor)
+    if size <= LOAD_PIECE_BYTES or counts is None or not _evenly_tiled(tensor):
+        return None
+    dim = next((dim for dim, (count, length) in enumerate(zip(counts, tensor.shape)) if count == 1 and length > 1),
+               None)
+    if dim is None:
+        return None
+    length = tensor.shape[dim]
+    pieces = next((pieces for pieces in range(2, length + 1)
+                   if length % pieces == 0 and size <= pieces * LOAD_PIECE_BYTES), length)
+    return dim, length // pieces
+
+
+def _load_by_pieces(tensor: torch.Tensor, shards: list[torch.Tensor], dim: int, length: int) -> None:
+    """Write ``shards`` (CPU data, one per local device in device order) into ``tensor``
+    ``length`` indices of ``dim`` at a time: each piece made a tensor on the devices,
+    sharded as ``tensor``, and copied into it in place, which XLA does in the tensor's
+    own buffers. On the emulation the devices' memory is the host's: a load of the
+    32-block AdamW state of ``tools/bench_checkpoint.py`` grew the process 0.24x its
+    tensors this way, 0.56x with each tensor's new data made whole beside the old.
+    One program per piece shape: where a piece goes is an input, not a constant."""
+    sharding = op_sharding(tensor)
+    shape = list(tensor.shape)
+    shape[dim] = length
+    for start in range(0, tensor.shape[dim], length):
+        piece = tensor_from_shards([shard.narrow(dim, start, length).contiguous() for shard in shards], sharding, shape)
+        indices = torch.arange(start, start + length).to(tensor.device)
+        with torch.no_grad():
+            tensor.index_copy_(dim, indices, piece)
+        mark_sharding(tensor, sharding)  # as it was: the step's program takes it so, whatever XLA propagates
+        sync([tensor])
 
 
 def shard_buffers(tensors: list[torch.Tensor], dtypes: list[torch.dtype] | None = None) -> list[ShardBuffers]:

@@ -162,7 +162,7 @@ def partition(
         sample_input: a tensor or tuple of tensors for one forward call; needed by
             every cost model but ``"params"``, and for the shapes of crossing tensors.
         cost: what to balance: ``"params"`` (parameter count), ``"flops"`` (forward
-            FLOPs), ``"time"`` (forward time, the median of several timed runs) or
+            FLOPs), ``"time"`` (forward time, the fastest of several timed runs) or
             ``"memory"`` (bytes of weights and gradients, saved activations, and
             tensors received across the cut in front of the stage).
         balance: layers per stage, used as given instead of searching.

@@ -1,5 +1,7 @@
 """Mesh layouts and the memory model, as plain data: no device is touched."""
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 import torch_xla.distributed.spmd as xs
@@ -9,7 +11,7 @@ from torch import nn
 from xpipe.layout import MeshAxes, outer_spec, outer_step_spec, shard_numel, stacked_spec, stored_shape
 from xpipe.memory import per_device
 from xpipe.mesh import axes_of, mesh_axes
-from xpipe.tensor_rules import check_head_counts, check_rules, tensor_dims
+from xpipe.tensor_rules import check_head_counts, check_rules, tensor_dims, with_shared_key_values
 
 FSDP = MeshAxes(stage=2, data=1, fsdp=4)
 
@@ -178,3 +180,22 @@ def test_a_tensor_size_that_does_not_divide_the_heads_is_refused_naming_them():
                                          r"\{'self_attn.num_heads': 3\}"):
         check_head_counts(layer, 2)
     check_head_counts(layer, 3)
+
+
+def test_key_value_heads_the_tensor_size_does_not_divide_are_kept_whole_unless_the_user_says():
+    """Grouped-query attention with fewer key/value heads than tensor devices (a
+    Llama 3 70B's 8 on 16, Falcon's one): its query heads decide, and the key and
+    value projections are kept whole, Megatron's way; a rule of the user's still wins."""
+    model = nn.Module()
+    model.config = SimpleNamespace(num_attention_heads=16, num_key_value_heads=8)
+    check_head_counts(model, 16)
+    names = ["model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.k_proj.weight",
+             "model.layers.0.self_attn.v_proj.bias", "model.layers.0.self_attn.o_proj.weight"]
+    shapes = [(2048, 1024), (1024, 1024), (1024,), (1024, 2048)]
+    assert tensor_dims(names, shapes, 16, with_shared_key_values(None, model, 16)) == [0, None, None, 1]
+    assert tensor_dims(names, shapes, 8, with_shared_key_values(None, model, 8)) == [0, 0, 0, 1]
+    users = with_shared_key_values({"*.k_proj.weight": 0}, model, 16)
+    assert tensor_dims(names, shapes, 16, users) == [0, 0, None, 1]
+    with pytest.raises(ValueError, match=r"tensor: 32 does not divide the model's attention heads "
+                                         r"\{'config.num_attention_heads': 16\}"):
+        check_head_counts(model, 32)

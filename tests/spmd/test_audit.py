@@ -386,6 +386,44 @@ def test_gpt_neox_blocks_run_megatrons_collectives_per_clock():
     assert_gradients_match(pipe, reference)
 
 
+@pytest.mark.full  # the quick tier checks which weights stay whole in tests/test_layout.py
+def test_one_key_value_head_on_two_tensor_devices_is_computed_on_both_and_nothing_moves_but_reductions():
+    """Llama with one key/value head for its 4 query heads (multi-query attention) on
+    2 stages x 2 fsdp x 2 tensor, two blocks a stage, nothing recomputed: "tensor"
+    does not divide the key/value heads, so the key and value projections stay whole
+    and each device attends with its own 2 query heads. Inside the clock loops only
+    all-reduces run over "tensor": the forward's are Megatron's two per block, of one
+    microbatch's activation (with the key/value projections split, the forward clock
+    also ran all-to-alls, gathers and permutes over "tensor"); and the step equals the
+    plain model."""
+    ids = tokens(8, SEQ, VOCAB)
+    inputs = {"input_ids": ids, "labels": ids}
+    model = llama(4, kv_heads=1, vocab=VOCAB)
+    reference = copy.deepcopy(model)
+    pipe = xpipe.Pipe(model, chunks=4, mesh=xpipe.make_mesh(2, fsdp=2, tensor=2), checkpoint="never",
+                      sample_input={key: value[:2] for key, value in inputs.items()})
+    body = pipe.runner.body
+    assert [name.rsplit(".", 2)[-2] for name, dim in zip(body.names, body.dims) if dim is None
+            and "proj" in name] == ["k_proj", "v_proj"]
+    losses = []
+    report = xpipe.inspect.audit(lambda: losses.append(pipe(**inputs).loss) or losses[0].backward(), mesh=pipe.mesh)
+    clock_loops = [loop for loop in report.loops() if loop.count("collective-permute")]
+    assert len(clock_loops) == 2, report
+    over_tensor = [[op for op in loop.ops if "tensor" in op.axes] for loop in clock_loops]
+    assert all(op.kind == "all-reduce" and op.axes == ("tensor",) for ops in over_tensor for op in ops), report
+    activation = 1 * SEQ * 32 * 4  # a microbatch of 8 / (2 x 2) rows / 4 chunks = 1 row, float32
+    blocks = 2
+    forward = [ops for ops in over_tensor if len(ops) == 2 * blocks and all(op.bytes == activation for op in ops)]
+    assert len(forward) == 1, report
+    shapes = re.findall(rf"f32\[(\d+(?:,\d+)+),{SEQ},{SEQ}\]", Path(report.program).read_text())
+    heads = {math.prod(int(d) for d in dims.split(",")[1:]) for dims in shapes}
+    assert max(heads) == 2, heads
+    expected = reference(**inputs).loss
+    expected.backward()
+    torch.testing.assert_close(losses[0].cpu(), expected.detach(), rtol=RTOL, atol=ATOL)
+    assert_gradients_match(pipe, reference)
+
+
 @pytest.mark.full  # Mixtral's exactness under spmd is the quick tier's in spmd/test_hf_models.py
 def test_mixture_of_experts_blocks_keep_their_tokens_in_their_stage():
     """Mixtral (4 experts, 2 a token) on 2 stages x 4 fsdp: inside the clock loops only

@@ -89,15 +89,18 @@ PACKED = ("qkv_proj.weight", "gate_up_proj.weight")  # Phi-3's, packed one part 
 
 @pytest.mark.full  # the quick tier splits Llama and GPT-2 over "tensor"; these are the built-in rules of other families
 @pytest.mark.parametrize("family, whole", [(opt, ()), (gpt_neox, ()), (phi3, PACKED), (mixtral, ROUTERS),
-                                           (qwen2_moe, ROUTERS), (lambda: falcon(multi_query=False), ())],
-                         ids=["opt", "gpt_neox", "phi3", "mixtral", "qwen2_moe", "falcon"])
+                                           (qwen2_moe, ROUTERS), (lambda: falcon(multi_query=False), ()),
+                                           (falcon, ("query_key_value.weight",))],
+                         ids=["opt", "gpt_neox", "phi3", "mixtral", "qwen2_moe", "falcon", "falcon_multi_query"])
 def test_families_train_split_over_tensor_with_no_rules_of_the_users(family, whole):
     """On 2 stages x 2 fsdp x 2 tensor, with no ``tensor_rules``: every matrix of the
     blocks but ``whole`` (the routers; Phi-3's packed projections) is split over
     "tensor" (OPT's fc1/fc2, GPT-NeoX's ``query_key_value``, packed per head, and its
     MLP; the experts whole per device, by their first dim), and one step equals the
     plain model. No built-in rule names Falcon's weights: their split is read from
-    its block's graph (its ``query_key_value``, packed head by head, split as GPT-NeoX's)."""
+    its block's graph (its ``query_key_value``, packed head by head, split as
+    GPT-NeoX's; with multi-query attention, as Falcon is configured by default, q and
+    its one key/value head packed one after the other, kept whole)."""
     model = family()
     reference = copy.deepcopy(model)
     ids = tokens(8, 8)

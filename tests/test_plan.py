@@ -32,7 +32,8 @@ def test_a_config_built_on_the_meta_device_has_the_captured_models_weights():
     assert configured.block_weights == captured.block_weights
     assert sorted(configured.outer_weights) == sorted(captured.outer_weights) == [(32,), (128, 32)], "tied: once"
     assert configured.parameters == captured.parameters == sum(p.numel() for p in llama(4).parameters())
-    assert configured.heads == captured.heads == (2, 4)
+    assert configured.heads == captured.heads == (4,)
+    assert configured.key_value_heads == captured.key_value_heads == 2
     # The config's estimates of one block, against what torch measured on the same block
     # (FLOPs: torch's counter; saved bytes: the graph's, which also holds the block's weights).
     assert configured.block_flops_per_row == pytest.approx(captured.block_flops_per_row, rel=0.25)
@@ -202,3 +203,15 @@ def test_a_model_no_rule_names_is_planned_on_tensor_meshes_with_the_splits_its_g
     result = xpipe.plan(profile, devices=8, batch=16)
     assert any(p.layout.tensor > 1 for p in result.fitting)
     assert profile_of_model(llama(4), {"input_ids": tokens(2, 8)}).read_tensor_dims == ()  # the built-in rules name all
+
+
+def test_key_value_heads_the_tensor_size_does_not_divide_are_planned_whole_as_pipe_keeps_them():
+    """One key/value head for 4 query heads (multi-query attention): tensor layouts are
+    planned, as ``Pipe`` runs them, with the key and value projections whole on every
+    tensor device and the other matrices split."""
+    profile = profile_of_config(LlamaConfig(**{**SMALL, "num_key_value_heads": 1}), seq=8, itemsize=4)
+    assert profile.heads == (4,) and profile.key_value_heads == 1
+    dims = dict(zip([name for name, _ in profile.block_weights], profile.tensor_dims(2)))
+    kept = [name.rsplit(".", 2)[-2] for name, dim in dims.items() if dim is None and "proj" in name]
+    assert kept == ["k_proj", "v_proj"]
+    assert any(p.layout.tensor == 2 for p in xpipe.plan(profile, devices=8, batch=16).fitting)

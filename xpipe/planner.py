@@ -28,7 +28,7 @@ from xpipe.layout import MeshAxes, is_vocabulary_table, loss_segments, microbatc
 from xpipe.memory import per_device
 from xpipe.profile import ModelProfile, profile_of_config, profile_of_model
 from xpipe.schedule import Schedule, circular, gpipe
-from xpipe.tensor_rules import Rules, tensor_dims
+from xpipe.tensor_rules import Rules
 
 GiB = 1 << 30
 KINDS = ("parameters", "gradients", "optimizer", "gathered", "activations")
@@ -241,7 +241,6 @@ def layouts(profile: ModelProfile, devices: int, batch: int, checkpoints: tuple[
     """The layouts the spmd executor can run: stages that hold a block each and that the
     slices divide, tensor sizes the heads and split weights allow, and chunk counts
     (see :func:`_chunk_counts`) whose microbatches split evenly over the row groups."""
-    names, shapes = zip(*profile.block_weights)
     for stages in _divisors(devices):
         if stages > profile.blocks or stages % slices:
             continue
@@ -249,7 +248,7 @@ def layouts(profile: ModelProfile, devices: int, batch: int, checkpoints: tuple[
             if tensor > max_tensor or any(count % tensor for count in profile.heads):
                 continue
             try:
-                tensor_dims(names, shapes, tensor, tensor_rules, dict(profile.read_tensor_dims))
+                profile.tensor_dims(tensor, tensor_rules)
             except ValueError:
                 continue
             for fsdp in _divisors(devices // (stages * tensor)):
@@ -287,10 +286,8 @@ def predict(profile: ModelProfile, layout: Layout, *, chip: Chip, batch: int, ca
     chunks = layout.stages * microbatch_slots(layout.chunks, layout.stages)  # as the executor runs them
     schedule = _schedule(layout.schedule, layout.stages, chunks, layout.virtual)
     depth = max(spread(profile.blocks, layout.stages * layout.virtual))  # block slots per model stage
-    names, shapes = zip(*profile.block_weights)
-    split = [dim is not None
-             for dim in tensor_dims(names, shapes, layout.tensor, tensor_rules, dict(profile.read_tensor_dims))]
-    stacked = [(layout.stages, layout.virtual * depth, math.prod(shape)) for shape in shapes]
+    split = [dim is not None for dim in profile.tensor_dims(layout.tensor, tensor_rules)]
+    stacked = [(layout.stages, layout.virtual * depth, math.prod(shape)) for _, shape in profile.block_weights]
     check_gather(layout.gather, layout.checkpoint)
     weights = per_device(stacked=stacked, outer=profile.outer_weights, axes=axes, split=split, itemsize=itemsize,
                          optimizer_states=optimizer_states, gather=layout.gather)

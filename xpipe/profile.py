@@ -22,6 +22,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from xpipe.tensor_rules import Rules, key_value_heads, tensor_dims, with_shared_key_values
+
 
 @dataclass(frozen=True)
 class ModelProfile:
@@ -37,11 +39,21 @@ class ModelProfile:
     block_saved_bytes_per_row: float  # what one block keeps for its backward
     outer_saved_bytes_per_row: float  # what the layers around the blocks keep (the logits)
     itemsize: int  # bytes per element the above were counted in
-    heads: tuple[int, ...] = ()  # the attention head counts a tensor size must divide
+    heads: tuple[int, ...] = ()  # the query head counts a tensor size must divide
+    key_value_heads: int | None = None  # config.num_key_value_heads, where the model has one
     tokens_per_row: int = 0  # a row's sequence length, where known (a config's), for the loss's segments
     # The split dims of the block weights no built-in rule names, read from the block's graph
     # (xpipe.tensor_inference) where it tells; empty otherwise.
     read_tensor_dims: tuple[tuple[str, int | None], ...] = ()
+
+    def tensor_dims(self, tensor: int, rules: Rules | None = None) -> list[int | None]:
+        """Each block weight's split dim over ``tensor`` devices (or None), as ``Pipe``
+        splits it: by ``rules``, the key/value projections whole where ``tensor`` does not
+        divide their heads, and the splits read from the block's graph
+        (:func:`xpipe.tensor_rules.tensor_dims`, whose ``ValueError`` it raises)."""
+        names, shapes = zip(*self.block_weights)
+        rules = with_shared_key_values(rules, self.key_value_heads, tensor)
+        return tensor_dims(names, shapes, tensor, rules, dict(self.read_tensor_dims))
 
     @property
     def parameters(self) -> int:
@@ -96,7 +108,7 @@ def profile_of_model(model: nn.Module, sample_input: Any) -> ModelProfile:
         outer_flops_per_row=(total_flops - repeated.count * block_flops) / rows,
         stream_bytes_per_row=entry_bytes(graph)[repeated.start] / rows,
         block_saved_bytes_per_row=block_saved / rows, outer_saved_bytes_per_row=outer_saved / rows,
-        itemsize=itemsize, heads=_head_counts(model),
+        itemsize=itemsize, heads=_head_counts(model), key_value_heads=key_value_heads(model),
         read_tensor_dims=_read_tensor_dims(model, captured, sample_input, [name for name, _ in block_params]))
 
 
@@ -165,7 +177,7 @@ def profile_of_config(config: Any, seq: int, itemsize: int = 2) -> ModelProfile:
         stream_bytes_per_row=seq * hidden * itemsize, block_saved_bytes_per_row=saved_elements * itemsize,
         # The logits in the model's dtype, their float32 copy for the loss, and its gradient.
         outer_saved_bytes_per_row=seq * vocab * (itemsize + 8), itemsize=itemsize,
-        heads=tuple(sorted({heads, kv_heads})), tokens_per_row=seq)
+        heads=(heads,), key_value_heads=kv_heads, tokens_per_row=seq)
 
 
 def _intermediate_size(config: Any, hidden: int) -> int:
@@ -204,7 +216,7 @@ def _block_names(model: nn.Module) -> list[str]:
 
 def _head_counts(model: nn.Module) -> tuple[int, ...]:
     config = getattr(model, "config", None)
-    counts = {getattr(config, field, None) for field in ("num_attention_heads", "num_key_value_heads", "n_head")}
+    counts = {getattr(config, field, None) for field in ("num_attention_heads", "n_head")}
     counts |= {m.num_heads for m in model.modules() if isinstance(m, nn.MultiheadAttention)}
     return tuple(sorted(c for c in counts if isinstance(c, int)))
 

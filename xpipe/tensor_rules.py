@@ -203,18 +203,23 @@ def check_head_counts(model: nn.Module, tensor: int) -> None:
                          "tensor group holds whole heads. Use a tensor size that divides them")
 
 
-def with_shared_key_values(rules: Rules | None, model: nn.Module, tensor: int) -> dict[str, int | None]:
-    """``rules``, followed, where ``tensor`` does not divide the model's key/value heads
-    (``config.num_key_value_heads``: Falcon's one, a Llama 3 70B's 8 on 16 devices), by
-    rules that keep its key and value projections whole, Megatron's way: every device
-    of a tensor group computes every key/value head and attends with its own query
-    heads, so no head is cut and none moves between devices (measured on Llama with
-    one key/value head on 2 x 2 fsdp x 2 tensor: in each clock only Megatron's two
-    reductions per block forward, where splitting them ran all-to-alls, gathers and
-    permutes over "tensor"). The user's rules come first and win."""
-    rules = check_rules(rules)
+def key_value_heads(model: nn.Module) -> int | None:
+    """The model's key/value head count (``config.num_key_value_heads``), if it says."""
     heads = getattr(getattr(model, "config", None), "num_key_value_heads", None)
-    if tensor == 1 or not isinstance(heads, int) or heads % tensor == 0:
+    return heads if isinstance(heads, int) else None
+
+
+def with_shared_key_values(rules: Rules | None, key_value_heads: int | None, tensor: int) -> dict[str, int | None]:
+    """``rules``, followed, where ``tensor`` does not divide the model's ``key_value_heads``
+    (Falcon's one, a Llama 3 70B's 8 on 16 devices), by rules that keep its key and value
+    projections whole, Megatron's way: every device of a tensor group computes every
+    key/value head and attends with its own query heads, so no head is cut and none
+    moves between devices (measured on Llama with one key/value head on 2 x 2 fsdp x
+    2 tensor: in each clock only Megatron's two reductions per block forward, where
+    splitting them ran all-to-alls, gathers and permutes over "tensor"). The user's
+    rules come first and win."""
+    rules = check_rules(rules)
+    if tensor == 1 or key_value_heads is None or key_value_heads % tensor == 0:
         return rules
     return {**rules, **{pattern: dim for pattern, dim in _SHARED_KEY_VALUES.items() if pattern not in rules}}
 

@@ -347,20 +347,15 @@ def test_the_plan_predicts_the_peak_xla_compiles_for_the_step_within_15_percent(
                                                                             prediction.memory)
 
 
-@pytest.mark.full  # the quick tier reads GPT-2's collectives on (2, 2, 2) above
-def test_gpt_neox_blocks_run_megatrons_collectives_per_clock():
-    """GPT-NeoX (q, k and v packed per head in one linear, one linear into the MLP) on 2
-    stages x 2 fsdp x 2 tensor, two blocks a stage, nothing recomputed: inside each
-    clock loop, over "tensor", exactly Megatron's collectives, all all-reduces of one
-    microbatch's activation on a device: two per block forward (after the attention's
-    and the MLP's row-parallel linears), two backward (the input gradients of the two
-    column-parallel linears); nothing gathered over "tensor", nothing over "fsdp" or
-    "data". Each device computes attention for its own heads (the scores
-    ``[rows, 2, SEQ, SEQ]``, no tensor with all four heads), and the step equals the
-    plain model."""
-    ids = tokens(8, SEQ, VOCAB)
-    inputs = {"input_ids": ids, "labels": ids}
-    model = gpt_neox(4, vocab=VOCAB)
+ACTIVATION = 1 * SEQ * 32 * 4  # a microbatch of 8 / (2 x 2) rows / 4 chunks on (2, 2, 2) = 1 row, float32
+BLOCKS = 2  # a stage's, of the 4-layer test models on 2 stages
+
+
+def audited_on_2_2_2(model, **inputs):
+    """One forward and backward of the Hugging Face ``model`` (its own loss, from
+    ``labels=``) on 2 stages x 2 fsdp x 2 tensor, nothing recomputed, checked equal
+    to the plain model (loss and every gradient); its pipe, its audit, and per clock
+    loop (forward and backward, in the program's order) the collectives over "tensor"."""
     reference = copy.deepcopy(model)
     pipe = xpipe.Pipe(model, chunks=4, mesh=xpipe.make_mesh(2, fsdp=2, tensor=2), checkpoint="never",
                       sample_input={key: value[:2] for key, value in inputs.items()})
@@ -368,60 +363,60 @@ def test_gpt_neox_blocks_run_megatrons_collectives_per_clock():
     report = xpipe.inspect.audit(lambda: losses.append(pipe(**inputs).loss) or losses[0].backward(), mesh=pipe.mesh)
     clock_loops = [loop for loop in report.loops() if loop.count("collective-permute")]
     assert len(clock_loops) == 2, report
-    activation = 1 * SEQ * 32 * 4  # a microbatch of 8 / (2 x 2) rows / 4 chunks = 1 row, float32
-    blocks = 2
-    for loop in clock_loops:
-        over_tensor = [op for op in loop.ops if "tensor" in op.axes]
-        assert all(op.kind == "all-reduce" and op.axes == ("tensor",) and op.bytes == activation
-                   for op in over_tensor), report
-        assert all(op.axes == ("stage",) for op in loop.ops if "tensor" not in op.axes), report
-    assert [loop.count("all-reduce", axis="tensor") for loop in clock_loops] == [2 * blocks] * 2, report
-    # Scores [rows, heads, SEQ, SEQ] (the causal mask [rows, 1, SEQ, SEQ]): a device's hold its 2 heads of 4.
-    shapes = re.findall(rf"f32\[(\d+(?:,\d+)+),{SEQ},{SEQ}\]", Path(report.program).read_text())
-    heads = {math.prod(int(d) for d in dims.split(",")[1:]) for dims in shapes}
-    assert max(heads) == 2, heads
+    assert all(op.axes == ("stage",) for loop in clock_loops for op in loop.ops if "tensor" not in op.axes), report
     expected = reference(**inputs).loss
     expected.backward()
     torch.testing.assert_close(losses[0].cpu(), expected.detach(), rtol=RTOL, atol=ATOL)
     assert_gradients_match(pipe, reference)
+    return pipe, report, [[op for op in loop.ops if "tensor" in op.axes] for loop in clock_loops]
+
+
+def heads_per_device(report) -> int:
+    """The most attention heads a device's scores ``[rows, heads, SEQ, SEQ]`` hold (the
+    causal mask ``[rows, 1, SEQ, SEQ]`` among them)."""
+    shapes = re.findall(rf"f32\[(\d+(?:,\d+)+),{SEQ},{SEQ}\]", Path(report.program).read_text())
+    return max(math.prod(int(d) for d in dims.split(",")[1:]) for dims in shapes)
+
+
+def two_reductions_a_block(clock: list) -> bool:
+    """A clock's collectives over "tensor" are Megatron's: an all-reduce of one
+    microbatch's activation after each of a block's two row-parallel linears (forward)
+    or for the input gradient of each of its two column-parallel ones (backward), and
+    nothing else."""
+    return len(clock) == 2 * BLOCKS and all(op.kind == "all-reduce" and op.axes == ("tensor",)
+                                            and op.bytes == ACTIVATION for op in clock)
+
+
+@pytest.mark.full  # the quick tier reads GPT-2's collectives on (2, 2, 2) above
+def test_gpt_neox_blocks_run_megatrons_collectives_per_clock():
+    """GPT-NeoX (q, k and v packed per head in one linear, one linear into the MLP): in
+    both clock loops exactly Megatron's collectives over "tensor": two all-reduces per
+    block forward (after the attention's and the MLP's row-parallel linears), two
+    backward (the input gradients of the two column-parallel linears); nothing
+    gathered, nothing over "fsdp" or "data". Each device computes attention for its own
+    2 heads of 4, and the step equals the plain model."""
+    ids = tokens(8, SEQ, VOCAB)
+    _, report, clocks = audited_on_2_2_2(gpt_neox(4, vocab=VOCAB), input_ids=ids, labels=ids)
+    assert all(two_reductions_a_block(clock) for clock in clocks), report
+    assert heads_per_device(report) == 2
 
 
 @pytest.mark.full  # the quick tier checks which weights stay whole in tests/test_layout.py
 def test_one_key_value_head_on_two_tensor_devices_is_computed_on_both_and_nothing_moves_but_reductions():
-    """Llama with one key/value head for its 4 query heads (multi-query attention) on
-    2 stages x 2 fsdp x 2 tensor, two blocks a stage, nothing recomputed: "tensor"
-    does not divide the key/value heads, so the key and value projections stay whole
-    and each device attends with its own 2 query heads. Inside the clock loops only
-    all-reduces run over "tensor": the forward's are Megatron's two per block, of one
-    microbatch's activation (with the key/value projections split, the forward clock
-    also ran all-to-alls, gathers and permutes over "tensor"); and the step equals the
-    plain model."""
+    """Llama with one key/value head for its 4 query heads (multi-query attention):
+    "tensor" does not divide the key/value heads, so the key and value projections stay
+    whole and each device attends with its own 2 query heads. Inside the clock loops
+    only all-reduces run over "tensor", the forward's Megatron's two per block (with
+    the key/value projections split, the forward clock also ran all-to-alls, gathers
+    and permutes over "tensor"); the step equals the plain model."""
     ids = tokens(8, SEQ, VOCAB)
-    inputs = {"input_ids": ids, "labels": ids}
-    model = llama(4, kv_heads=1, vocab=VOCAB)
-    reference = copy.deepcopy(model)
-    pipe = xpipe.Pipe(model, chunks=4, mesh=xpipe.make_mesh(2, fsdp=2, tensor=2), checkpoint="never",
-                      sample_input={key: value[:2] for key, value in inputs.items()})
+    pipe, report, clocks = audited_on_2_2_2(llama(4, kv_heads=1, vocab=VOCAB), input_ids=ids, labels=ids)
     body = pipe.runner.body
     assert [name.rsplit(".", 2)[-2] for name, dim in zip(body.names, body.dims) if dim is None
             and "proj" in name] == ["k_proj", "v_proj"]
-    losses = []
-    report = xpipe.inspect.audit(lambda: losses.append(pipe(**inputs).loss) or losses[0].backward(), mesh=pipe.mesh)
-    clock_loops = [loop for loop in report.loops() if loop.count("collective-permute")]
-    assert len(clock_loops) == 2, report
-    over_tensor = [[op for op in loop.ops if "tensor" in op.axes] for loop in clock_loops]
-    assert all(op.kind == "all-reduce" and op.axes == ("tensor",) for ops in over_tensor for op in ops), report
-    activation = 1 * SEQ * 32 * 4  # a microbatch of 8 / (2 x 2) rows / 4 chunks = 1 row, float32
-    blocks = 2
-    forward = [ops for ops in over_tensor if len(ops) == 2 * blocks and all(op.bytes == activation for op in ops)]
-    assert len(forward) == 1, report
-    shapes = re.findall(rf"f32\[(\d+(?:,\d+)+),{SEQ},{SEQ}\]", Path(report.program).read_text())
-    heads = {math.prod(int(d) for d in dims.split(",")[1:]) for dims in shapes}
-    assert max(heads) == 2, heads
-    expected = reference(**inputs).loss
-    expected.backward()
-    torch.testing.assert_close(losses[0].cpu(), expected.detach(), rtol=RTOL, atol=ATOL)
-    assert_gradients_match(pipe, reference)
+    assert all(op.kind == "all-reduce" for clock in clocks for op in clock), report
+    assert sum(two_reductions_a_block(clock) for clock in clocks) == 1, report
+    assert heads_per_device(report) == 2
 
 
 @pytest.mark.full  # Mixtral's exactness under spmd is the quick tier's in spmd/test_hf_models.py

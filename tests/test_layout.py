@@ -11,7 +11,7 @@ from torch import nn
 from xpipe.layout import MeshAxes, outer_spec, outer_step_spec, shard_numel, stacked_spec, stored_shape
 from xpipe.memory import per_device
 from xpipe.mesh import axes_of, mesh_axes
-from xpipe.tensor_rules import (check_head_counts, check_rules, key_value_heads, tensor_dims,
+from xpipe.tensor_rules import (check_head_counts, check_rules, key_value_heads_of, tensor_dims,
                                 with_shared_key_values)
 
 FSDP = MeshAxes(stage=2, data=1, fsdp=4)
@@ -193,7 +193,7 @@ def test_key_value_heads_the_tensor_size_does_not_divide_are_kept_whole_unless_t
     names = ["model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.k_proj.weight",
              "model.layers.0.self_attn.v_proj.bias", "model.layers.0.self_attn.o_proj.weight"]
     shapes = [(2048, 1024), (1024, 1024), (1024,), (1024, 2048)]
-    heads = key_value_heads(model)
+    heads = key_value_heads_of(model)
     assert tensor_dims(names, shapes, 16, with_shared_key_values(None, heads, 16)) == [0, None, None, 1]
     assert tensor_dims(names, shapes, 8, with_shared_key_values(None, heads, 8)) == [0, 0, 0, 1]
     users = with_shared_key_values({"*.k_proj.weight": 0}, heads, 16)

@@ -33,7 +33,7 @@ from xpipe.spmd.executor import SCHEDULES as SPMD_SCHEDULES
 from xpipe.spmd.executor import SpmdPipeline, padded_chunks
 from xpipe.spmd.stacking import StackedModel, block_inputs, cut_for_stacking
 from xpipe.tensor_inference import CannotInfer, infer_tensor_dims
-from xpipe.tensor_rules import (check_convolutions, check_head_counts, key_value_heads, tensor_dims, unruled,
+from xpipe.tensor_rules import (check_convolutions, check_head_counts, key_value_heads_of, tensor_dims, unruled,
                                 unruled_message, with_shared_key_values)
 
 EXECUTORS = ("auto", "spmd", "devices")
@@ -144,7 +144,7 @@ def build_spmd(capture: ModelCapture, options: Options) -> Built:
                          f"{len(stacked.blocks)} stages, or executor='devices'")
     partition = spmd_partition(whole, spread(len(stacked.blocks), stages * options.virtual), options.balance)
     names = [name for name, _ in stacked.blocks[0].named_parameters()]
-    rules = with_shared_key_values(options.tensor_rules, key_value_heads(module), tensor)
+    rules = with_shared_key_values(options.tensor_rules, key_value_heads_of(module), tensor)
     dims = block_tensor_dims(capture, tensor, rules)
     check_convolutions(stacked.blocks[0], dict(zip(names, dims)))
     mesh = options.mesh if options.mesh is not None else make_mesh(stages)  # the process enters SPMD mode here

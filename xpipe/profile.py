@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from xpipe.tensor_rules import Rules, key_value_heads, tensor_dims, with_shared_key_values
+from xpipe.tensor_rules import Rules, key_value_heads_of, tensor_dims, with_shared_key_values
 
 
 @dataclass(frozen=True)
@@ -108,7 +108,7 @@ def profile_of_model(model: nn.Module, sample_input: Any) -> ModelProfile:
         outer_flops_per_row=(total_flops - repeated.count * block_flops) / rows,
         stream_bytes_per_row=entry_bytes(graph)[repeated.start] / rows,
         block_saved_bytes_per_row=block_saved / rows, outer_saved_bytes_per_row=outer_saved / rows,
-        itemsize=itemsize, heads=_head_counts(model), key_value_heads=key_value_heads(model),
+        itemsize=itemsize, heads=_head_counts(model), key_value_heads=key_value_heads_of(model),
         read_tensor_dims=_read_tensor_dims(model, captured, sample_input, [name for name, _ in block_params]))
 
 

@@ -203,7 +203,7 @@ def check_head_counts(model: nn.Module, tensor: int) -> None:
                          "tensor group holds whole heads. Use a tensor size that divides them")
 
 
-def key_value_heads(model: nn.Module) -> int | None:
+def key_value_heads_of(model: nn.Module) -> int | None:
     """The model's key/value head count (``config.num_key_value_heads``), if it says."""
     heads = getattr(getattr(model, "config", None), "num_key_value_heads", None)
     return heads if isinstance(heads, int) else None

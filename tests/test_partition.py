@@ -163,7 +163,7 @@ def test_time_balance_does_not_move_when_other_processes_hold_the_cores(monkeypa
         value = run_node(self, node)
         calls[node.name] += 1
         narrow = node.op == "call_module" and isinstance(self.module.get_submodule(node.target), nn.Linear)
-        if narrow and 2 <= calls[node.name] <= xpipe.graph.TIMING_REPEATS:  # a warm-up, then all timed runs but the last
+        if narrow and 2 <= calls[node.name] <= xpipe.graph.TIMING_REPEATS:  # all timed runs but the last
             self.records[node]["time_s"] += 0.05
         return value
 

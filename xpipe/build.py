@@ -33,8 +33,8 @@ from xpipe.spmd.executor import SCHEDULES as SPMD_SCHEDULES
 from xpipe.spmd.executor import SpmdPipeline, padded_chunks
 from xpipe.spmd.stacking import StackedModel, block_inputs, cut_for_stacking
 from xpipe.tensor_inference import CannotInfer, infer_tensor_dims
-from xpipe.tensor_rules import (check_convolutions, check_head_counts, key_value_heads_of, tensor_dims, unruled,
-                                unruled_message, with_shared_key_values)
+from xpipe.tensor_rules import (Rules, check_convolutions, check_head_counts, key_value_heads_of, tensor_dims,
+                                unruled, unruled_message, with_shared_key_values)
 
 EXECUTORS = ("auto", "spmd", "devices")
 
@@ -144,8 +144,7 @@ def build_spmd(capture: ModelCapture, options: Options) -> Built:
                          f"{len(stacked.blocks)} stages, or executor='devices'")
     partition = spmd_partition(whole, spread(len(stacked.blocks), stages * options.virtual), options.balance)
     names = [name for name, _ in stacked.blocks[0].named_parameters()]
-    rules = with_shared_key_values(options.tensor_rules, key_value_heads_of(module), tensor)
-    dims = block_tensor_dims(capture, tensor, rules)
+    dims = block_tensor_dims(capture, tensor, options.tensor_rules)
     check_convolutions(stacked.blocks[0], dict(zip(names, dims)))
     mesh = options.mesh if options.mesh is not None else make_mesh(stages)  # the process enters SPMD mode here
     device = spmd_device()
@@ -158,13 +157,15 @@ def build_spmd(capture: ModelCapture, options: Options) -> Built:
     return Built(runner, partition, schedule, mesh, [device])
 
 
-def block_tensor_dims(capture: ModelCapture, tensor: int, rules: dict[str, int | None]) -> list[int | None]:
-    """Each block weight's split dim over "tensor" (or None): by the user's rules,
-    then the built-in ones, and as read from the block's graph
-    (:mod:`xpipe.tensor_inference`) for the weights no rule covers and those a
-    built-in rule splits on the wrong dim (:func:`xpipe.tensor_rules.tensor_dims`).
-    Refused before any device work where no rule covers a weight and the graph
-    cannot tell."""
+def block_tensor_dims(capture: ModelCapture, tensor: int, rules: Rules | None) -> list[int | None]:
+    """Each block weight's split dim over "tensor" (or None): by the user's rules, the
+    key/value projections whole where "tensor" does not divide their heads
+    (:func:`xpipe.tensor_rules.with_shared_key_values`), then the built-in rules, and
+    as read from the block's graph (:mod:`xpipe.tensor_inference`) for the weights no
+    rule covers and those a built-in rule splits on the wrong dim
+    (:func:`xpipe.tensor_rules.tensor_dims`). Refused before any device work where no
+    rule covers a weight and the graph cannot tell."""
+    rules = with_shared_key_values(rules, key_value_heads_of(capture.module), tensor)
     stacked = capture.stacked()
     named = [(name, tuple(p.shape)) for name, p in stacked.blocks[0].named_parameters()]
     names, shapes = [n for n, _ in named], [s for _, s in named]

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from xpipe.tensor_rules import Rules, key_value_heads_of, tensor_dims, with_shared_key_values
+from xpipe.tensor_rules import Rules, key_value_heads_of, query_head_counts, tensor_dims, with_shared_key_values
 
 
 @dataclass(frozen=True)
@@ -108,7 +108,8 @@ def profile_of_model(model: nn.Module, sample_input: Any) -> ModelProfile:
         outer_flops_per_row=(total_flops - repeated.count * block_flops) / rows,
         stream_bytes_per_row=entry_bytes(graph)[repeated.start] / rows,
         block_saved_bytes_per_row=block_saved / rows, outer_saved_bytes_per_row=outer_saved / rows,
-        itemsize=itemsize, heads=_head_counts(model), key_value_heads=key_value_heads_of(model),
+        itemsize=itemsize, heads=tuple(sorted(set(query_head_counts(model).values()))),
+        key_value_heads=key_value_heads_of(model),
         read_tensor_dims=_read_tensor_dims(model, captured, sample_input, [name for name, _ in block_params]))
 
 
@@ -212,13 +213,6 @@ def _block_names(model: nn.Module) -> list[str]:
     if not best:
         raise ValueError("config: the model it builds has no list of identical blocks to stack over 'stage'")
     return best
-
-
-def _head_counts(model: nn.Module) -> tuple[int, ...]:
-    config = getattr(model, "config", None)
-    counts = {getattr(config, field, None) for field in ("num_attention_heads", "n_head")}
-    counts |= {m.num_heads for m in model.modules() if isinstance(m, nn.MultiheadAttention)}
-    return tuple(sorted(c for c in counts if isinstance(c, int)))
 
 
 def _rows(sample_input: Any) -> int:

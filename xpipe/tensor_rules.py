@@ -188,6 +188,16 @@ def check_head_counts(model: nn.Module, tensor: int) -> None:
     """
     if tensor == 1:
         return
+    bad = {field: count for field, count in query_head_counts(model).items() if count % tensor}
+    if bad:
+        raise ValueError(f"tensor: {tensor} does not divide the model's attention heads {bad}; each device of a "
+                         "tensor group holds whole heads. Use a tensor size that divides them")
+
+
+def query_head_counts(model: nn.Module) -> dict[str, int]:
+    """The model's query head counts a tensor size must divide, by where they are read:
+    its config's (``num_attention_heads``, ``n_head``, ``num_heads``) and each
+    ``nn.MultiheadAttention``'s."""
     counts = {}
     config = getattr(model, "config", None)
     for field in _QUERY_HEAD_COUNTS:
@@ -197,10 +207,7 @@ def check_head_counts(model: nn.Module, tensor: int) -> None:
     for name, module in model.named_modules():
         if isinstance(module, nn.MultiheadAttention):
             counts[f"{name}.num_heads"] = module.num_heads
-    bad = {field: count for field, count in counts.items() if count % tensor}
-    if bad:
-        raise ValueError(f"tensor: {tensor} does not divide the model's attention heads {bad}; each device of a "
-                         "tensor group holds whole heads. Use a tensor size that divides them")
+    return counts
 
 
 def key_value_heads_of(model: nn.Module) -> int | None:

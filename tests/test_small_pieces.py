@@ -37,6 +37,11 @@ def test_recompute_gives_the_same_gradients():
     weight.grad = x.grad = None
     recompute(lambda a, w: torch.tanh(a @ w), x, weight).pow(2).sum().backward()
     torch.testing.assert_close((weight.grad, x.grad), expected)
+    fenced = []
+    weight.grad = x.grad = None
+    recompute(lambda a, w: torch.tanh(a @ w), x, weight, fence=lambda t: fenced.append(t) or t).pow(2).sum().backward()
+    torch.testing.assert_close((weight.grad, x.grad), expected)
+    assert [t.shape for t in fenced[0]] == [x.shape, weight.shape, (2, 3)]  # the kept tensors, then the gradient
     with pytest.raises(ValueError, match="checkpoint: 'all' is not a mode; use one of always, except_last, never"):
         check_mode("all")
 
@@ -144,3 +149,17 @@ def test_bytes_per_device_outside_spmd_counts_each_tensor_once_on_its_device():
     a = torch.zeros(4, 4, device=torch_xla.device(0))
     b = torch.zeros(8, device=torch_xla.device(1))
     assert xpipe.inspect.bytes_per_device([a, b, a]) == {str(a.device): 64, str(b.device): 32}
+
+
+def test_tensors_tied_to_an_anchor_keep_their_values_and_wait_for_their_own_row_of_it():
+    """``xpipe.spmd.ordering.tied_to``: every tensor is ``[devices, ...]``; each device's
+    row depends on that device's row of the anchor only (a NaN there shows it), and
+    integer tensors pass as they are."""
+    from xpipe.spmd.ordering import tied_to
+
+    anchor, state, ids = torch.randn(2, 3, 4), torch.randn(2, 5), torch.arange(2)
+    tied_state, tied_ids = tied_to([state, ids], anchor)
+    assert torch.equal(tied_state, state) and tied_ids is ids
+    anchor[1, 0, 0] = float("nan")
+    tied_state, _ = tied_to([state, ids], anchor)
+    assert torch.equal(tied_state[0], state[0]) and tied_state[1].isnan().all()

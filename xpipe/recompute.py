@@ -49,24 +49,39 @@ def kept_cells(schedule: Schedule, checkpoint: str) -> frozenset[tuple[int, int]
     return frozenset((a.stage, a.microbatch) for clock, a in cells if clock >= entry)
 
 
-def recompute(fn: Callable[..., torch.Tensor], *tensors: torch.Tensor) -> torch.Tensor:
-    """``fn(*tensors)``, keeping only ``tensors`` for the backward pass."""
-    return _Recompute.apply(fn, *tensors)
+Fence = Callable[[list[torch.Tensor]], list[torch.Tensor]]
+
+
+def recompute(fn: Callable[..., torch.Tensor], *tensors: torch.Tensor, fence: Fence | None = None) -> torch.Tensor:
+    """``fn(*tensors)``, keeping only ``tensors`` for the backward pass.
+
+    ``fence``, where given, takes the kept tensors and the gradient that arrives for
+    ``fn``'s output, and returns them with the kept ones made to depend on that
+    gradient (:func:`xpipe.spmd.ordering.after_gradient`): the recomputation then
+    cannot start before the gradient exists. Several recomputed calls in a row,
+    inside one XLA program, thus run one at a time in the backward, each freeing
+    what it made before the next begins; without it XLA may recompute them all
+    first and hold every one's activations.
+    """
+    return _Recompute.apply(fn, fence, *tensors)
 
 
 class _Recompute(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, fn: Callable[..., torch.Tensor], *tensors: torch.Tensor) -> torch.Tensor:
-        ctx.fn = fn
+    def forward(ctx, fn: Callable[..., torch.Tensor], fence: Fence | None, *tensors: torch.Tensor) -> torch.Tensor:
+        ctx.fn, ctx.fence = fn, fence
         ctx.save_for_backward(*tensors)
         with torch.no_grad():
             return fn(*tensors)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        inputs = [t.detach().requires_grad_(t.is_floating_point()) for t in ctx.saved_tensors]
+        kept = list(ctx.saved_tensors)
+        if ctx.fence is not None:
+            *kept, grad = ctx.fence([*kept, grad])
+        inputs = [t.detach().requires_grad_(t.is_floating_point()) for t in kept]
         with torch.enable_grad():
             output = ctx.fn(*inputs)
         wanted = [t for t in inputs if t.requires_grad]
         grads = iter(torch.autograd.grad(output, wanted, grad, allow_unused=True))
-        return (None, *(next(grads) if t.requires_grad else None for t in inputs))
+        return (None, None, *(next(grads) if t.requires_grad else None for t in inputs))

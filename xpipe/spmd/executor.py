@@ -44,7 +44,7 @@ from xpipe.schedule import Schedule
 from xpipe.spmd.conveyor import SlotLayout, column_tables, from_slots, slot_layout, make_tick, to_slots
 from xpipe.spmd.dropout import cell_keys, hashed_dropout
 from xpipe.spmd.lowering import ShardableOps
-from xpipe.spmd.ordering import fenced
+from xpipe.spmd.ordering import after_gradient, fenced, tied_to
 from xpipe.spmd.placement import Placement
 from xpipe.spmd.segmented_loss import LossOverSegments
 from xpipe.spmd.sides import Packing, packing_for
@@ -269,10 +269,11 @@ class SpmdPipeline(nn.Module):
         count = len(self.body.names)
         shards, extras = weights[:count], weights[count:]
         for slot in range(self.depth):
-            slot_shards = tuple(self._slot_of_round(w, slot, rounds) for w in shards)
+            # Gathered when the slot before it has run, not all at the loop body's start.
+            slot_shards = tied_to([self._slot_of_round(w, slot, rounds) for w in shards], state)
             slot_valid = self._slot_of_round(valid, slot, rounds)
             run = partial(self._gathered_slot, packing, slot, len(extras))
-            state = recompute(run, state, keys, slot_valid, *extras, *slot_shards)
+            state = recompute(run, state, keys, slot_valid, *extras, *slot_shards, fence=after_gradient)
         return state
 
     def _gathered_slot(self, packing: Packing, slot: int, extra_count: int, state: torch.Tensor, keys: torch.Tensor,

@@ -52,3 +52,31 @@ def fenced(first: torch.Tensor, rest: Any) -> tuple[torch.Tensor, Any]:
     for index, tensor in zip(places, tensors):
         leaves[index] = tensor
     return first, tree_unflatten(leaves, spec)
+
+
+def tied_to(tensors: list[torch.Tensor], anchor: torch.Tensor) -> list[torch.Tensor]:
+    """``tensors``, each made to depend on ``anchor`` by data, so that nothing computed
+    from them can start before ``anchor`` exists: in a clock loop's body, where XLA's
+    CPU compiler drops optimization barriers before it schedules (measured: with or
+    without one, the body of a stage of 8 blocks gathered per block gathered all 8
+    slots' weights at its start, and its backward ran all 8 recomputations first,
+    holding their attention probabilities at once).
+
+    Every tensor is ``[S * P, ...]``, a row per device (sharded over the batch axes):
+    each device's rows are tied to its own first element of ``anchor``, so nothing
+    moves between devices. The tie is that element (no gradient flows back to
+    ``anchor``) times zero, added to every floating tensor: XLA does not fold ``x * 0``
+    for floats, since a NaN or an infinity stays one; a non-finite ``anchor`` thus
+    turns what is tied to it into NaN, where the step's numbers are lost anyway.
+    """
+    tie = anchor.detach().flatten(1)[:, :1] * 0  # [S * P, 1]
+    return [t + tie.to(t.dtype).view(-1, *[1] * (t.dim() - 1)) if t.is_floating_point() else t for t in tensors]
+
+
+def after_gradient(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``tensors[:-1]`` tied to ``tensors[-1]`` (:func:`tied_to`), a gradient, then that
+    gradient: a recomputation fed by them (:func:`xpipe.recompute.recompute`'s
+    ``fence``) cannot start before the gradient it serves exists, so that a backward
+    recomputes its blocks one at a time."""
+    *kept, gradient = tensors
+    return tied_to(kept, gradient) + [gradient]

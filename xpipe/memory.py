@@ -73,11 +73,13 @@ def per_device(*, stacked: Iterable[tuple[int, ...]], outer: Iterable[tuple[int,
     # The step's gathered copies: one stage's slice of the body, or of one block slot
     # (a tensor device's share of it where "tensor" splits a weight), and the outer
     # layers whole but for the vocabulary tables' "tensor" split (nothing is gathered
-    # without fsdp or tensor), each with a gradient of its size.
+    # without fsdp or tensor). Gathered once per step, each with a gradient of its size.
+    # Per block, without: the step's peak is then the forward loop's, before any
+    # gradient exists (XLA's buffer assignment, on every per-block layout of the tests).
     stage_body = sum(shard_numel(shape, ("stage", None, "tensor" if cut else None), axes)
                      // (shape[1] if gather == "block" else 1) for shape, cut in zip(stacked, split))
     step_outer = outer_step_numel(outer, axes) if axes.sharding else 0
-    gathered = 2 * (stage_body + step_outer) * itemsize
+    gathered = (1 if gather == "block" else 2) * (stage_body + step_outer) * itemsize
     # torch_xla's scan keeps what its backward reads once per clock, the loop's weights too
     # (measured: XLA's peak grows by them with every clock): gathered whole for the step,
     # or each device's resting shard of them when every block slot gathers its own.

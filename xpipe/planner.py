@@ -334,16 +334,20 @@ def _activation_bytes(profile: ModelProfile, layout: Layout, schedule: Schedule,
     stage state, the inputs of the cells that recompute, everything the kept cells save, one
     recomputed cell's working set, and the layers around the body on the device's rows."""
     stream = rows * profile.stream_bytes_per_row
-    cell = depth * rows * profile.block_saved_bytes_per_row / layout.tensor  # one stage's blocks, one microbatch
+    block = rows * profile.block_saved_bytes_per_row / layout.tensor  # what one block saves for one microbatch
+    cell = depth * block  # one stage's blocks
     # What a recomputed cell keeps: its input, or per block (each slot recomputed on its own)
-    # every block's input.
+    # every block's input. Gathered per block, the backward recomputes one block at a time, each
+    # after the gradient it serves (xpipe.spmd.ordering.after_gradient): one block's activations
+    # at once; otherwise the cell's.
     recomputed = stream * (depth if layout.gather == "block" else 1)
+    working = block if layout.gather == "block" else cell
     slots = microbatch_slots(layout.chunks, layout.stages)
     cells = schedule.chunks * layout.virtual  # per rank
     busiest = 0
     for keeps in _kept_per_rank(schedule, layout.checkpoint):
         recomputing = cells - keeps
-        busiest = max(busiest, recomputing * recomputed + keeps * cell + (cell if recomputing else 0))
+        busiest = max(busiest, recomputing * recomputed + keeps * cell + (working if recomputing else 0))
     # The layers around the body: mostly the logits, split by vocabulary over "tensor" (layout.outer_step_spec),
     # made one sequence segment at a time for the loss (xpipe.spmd.segmented_loss).
     around = layout.outer_rows(batch) * profile.outer_saved_bytes_per_row / segments / layout.tensor

@@ -175,7 +175,9 @@ def profile_of_config(config: Any, seq: int, itemsize: int = 2) -> ModelProfile:
         block_weights=tuple((f"{block_names[0]}.{name}", tuple(p.shape)) for name, p in block.named_parameters()),
         outer_weights=tuple(outer.values()),
         block_flops_per_row=block_flops, outer_flops_per_row=2 * seq * hidden * vocab,
-        stream_bytes_per_row=seq * hidden * itemsize, block_saved_bytes_per_row=saved_elements * itemsize,
+        # The hidden state, and the attention mask Hugging Face builds before the first block
+        # ([rows, 1, seq, seq]), which travels with each row in the stream's dtype (xpipe.spmd.sides).
+        stream_bytes_per_row=seq * (hidden + seq) * itemsize, block_saved_bytes_per_row=saved_elements * itemsize,
         # The logits in the model's dtype, their float32 copy for the loss, and its gradient.
         outer_saved_bytes_per_row=seq * vocab * (itemsize + 8), itemsize=itemsize,
         heads=(heads,), key_value_heads=kv_heads, tokens_per_row=seq)

@@ -33,6 +33,7 @@ import networkx as nx
 import torch
 import torch.fx
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 from xpipe.capture import Captured, flat_inputs, is_batch_size, trace_layers
@@ -184,7 +185,9 @@ class _Profiler(torch.fx.Interpreter):
 
     def run_node(self, node: torch.fx.Node) -> Any:
         saved: dict[int, int] = {}
-        with FlopCounterMode(display=False) as flops, _count_saved(saved, self.weights):
+        # Attention as XLA computes it: the probabilities made whole and saved (no fused kernel).
+        with FlopCounterMode(display=False) as flops, _count_saved(saved, self.weights), \
+                sdpa_kernel(SDPBackend.MATH):
             start = time.perf_counter()
             value = super().run_node(node)
             elapsed = time.perf_counter() - start

@@ -23,7 +23,7 @@ from typing import Any
 from torch import nn
 
 from xpipe._checks import GATHERS, check_gather, check_optimizer_states, check_positive_int
-from xpipe.recompute import MODES, kept_cells
+from xpipe.recompute import MODES, first_kept_clock
 from xpipe.layout import MeshAxes, is_vocabulary_table, loss_segments, microbatch_slots, outer_step_numel, spread
 from xpipe.memory import per_device
 from xpipe.profile import ModelProfile, profile_of_config, profile_of_model
@@ -343,11 +343,9 @@ def _activation_bytes(profile: ModelProfile, layout: Layout, schedule: Schedule,
     recomputed = stream * (depth if layout.gather == "block" else 1)
     working = block if layout.gather == "block" else cell
     slots = microbatch_slots(layout.chunks, layout.stages)
-    cells = schedule.chunks * layout.virtual  # per rank
-    busiest = 0
-    for keeps in _kept_per_rank(schedule, layout.checkpoint):
-        recomputing = cells - keeps
-        busiest = max(busiest, recomputing * recomputed + keeps * cell + (working if recomputing else 0))
+    # Every forward clock keeps, on every stage, what its loop keeps: the idle cells run real rows.
+    recomputing, keeping = _loop_clocks(schedule, layout.checkpoint)
+    busiest = recomputing * recomputed + keeping * cell + (working if recomputing else 0)
     # The layers around the body: mostly the logits, split by vocabulary over "tensor" (layout.outer_step_spec),
     # made one sequence segment at a time for the loss (xpipe.spmd.segmented_loss).
     around = layout.outer_rows(batch) * profile.outer_saved_bytes_per_row / segments / layout.tensor
@@ -398,23 +396,22 @@ def _ring(size: int) -> float:
     return (size - 1) / size
 
 
-def _kept_per_rank(schedule: Schedule, checkpoint: str) -> tuple[int, ...]:
-    """Per rank, the cells whose forward keeps its activations (:func:`xpipe.recompute.kept_cells`)."""
-    return _kept_counts(schedule.name, schedule.stages, schedule.chunks, schedule.virtual, checkpoint)
+def _loop_clocks(schedule: Schedule, checkpoint: str) -> tuple[int, int]:
+    """The forward clocks of the clock loop that recomputes and of the one that keeps
+    (:func:`xpipe.recompute.first_kept_clock`, where the executor splits them)."""
+    return _loop_clock_counts(schedule.name, schedule.stages, schedule.chunks, schedule.virtual, checkpoint)
 
 
 @functools.cache
-def _kept_counts(name: str, stages: int, chunks: int, virtual: int, checkpoint: str) -> tuple[int, ...]:
+def _loop_clock_counts(name: str, stages: int, chunks: int, virtual: int, checkpoint: str) -> tuple[int, int]:
     schedule = _schedule(name, stages, chunks, virtual)
-    counts = [0] * stages
-    for stage, _ in kept_cells(schedule, checkpoint):
-        counts[schedule.rank_of(stage)] += 1
-    return tuple(counts)
+    split = first_kept_clock(schedule, checkpoint)
+    return split, len(schedule.forward_clocks()) - split
 
 
 def _recomputes(schedule: Schedule, checkpoint: str) -> bool:
     """Whether some cell runs its forward again in the backward."""
-    return sum(_kept_per_rank(schedule, checkpoint)) < schedule.chunks * schedule.model_stages
+    return _loop_clocks(schedule, checkpoint)[0] > 0
 
 
 @functools.cache

@@ -49,6 +49,18 @@ def kept_cells(schedule: Schedule, checkpoint: str) -> frozenset[tuple[int, int]
     return frozenset((a.stage, a.microbatch) for clock, a in cells if clock >= entry)
 
 
+def first_kept_clock(schedule: Schedule, checkpoint: str) -> int:
+    """The forward clock of ``schedule`` from which every cell keeps its activations:
+    the spmd executor's clock loop splits there, one loop that recomputes, one that
+    keeps (:func:`kept_cells`'s kept cells form a suffix of the forward clocks). Every
+    clock of a loop keeps what that loop keeps, on every stage, the idle cells of the
+    fill and the drain too: they run real rows."""
+    kept = kept_cells(schedule, checkpoint)
+    rows = schedule.forward_clocks()
+    return next((clock for clock, row in enumerate(rows)
+                 if any(a is not None and (a.stage, a.microbatch) in kept for a in row)), len(rows))
+
+
 Fence = Callable[[list[torch.Tensor]], list[torch.Tensor]]
 
 

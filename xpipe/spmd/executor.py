@@ -39,7 +39,7 @@ from torch_xla.experimental.scan import scan
 from xpipe._batch import check_outputs
 from xpipe._batchnorm import RunningStatistics
 from xpipe.layout import spread
-from xpipe.recompute import kept_cells, recompute
+from xpipe.recompute import first_kept_clock, recompute
 from xpipe.schedule import Schedule
 from xpipe.spmd.conveyor import SlotLayout, column_tables, from_slots, slot_layout, make_tick, to_slots
 from xpipe.spmd.dropout import cell_keys, hashed_dropout
@@ -200,7 +200,7 @@ class SpmdPipeline(nn.Module):
         weights += tuple(self.placement.per_device(c) for c in constants)  # they ride along
         weights += tuple(self.placement.per_device(carried) for carried, _ in self._block_constants.values())
         carry = (state, slots, valid, weights)
-        plain_from = _first_kept_clock(self.schedule, self.checkpoint)
+        plain_from = first_kept_clock(self.schedule, self.checkpoint)
         ring = bool(tables.from_ring.any())
         for start, end, recomputed in ((0, plain_from, True), (plain_from, len(reads), False)):
             if end > start:
@@ -343,15 +343,3 @@ def _differentiable(constant: torch.Tensor) -> torch.Tensor:
     carry); an integer one (an index list torch.export lifted) as float32, exact for
     the small values :func:`xpipe.spmd.stacking._check_alike` lets through."""
     return constant if constant.is_floating_point() else constant.to(torch.float32)
-
-
-def _first_kept_clock(schedule: Schedule, checkpoint: str) -> int:
-    """The forward clock from which every cell keeps its activations (the clock loop
-    splits there: one scan that recomputes, one that keeps); the policy is
-    :func:`xpipe.recompute.kept_cells`, whose kept cells form a suffix of clocks."""
-    kept = kept_cells(schedule, checkpoint)
-    rows = schedule.forward_clocks()
-    return next((clock for clock, row in enumerate(rows)
-                 if any(a is not None and (a.stage, a.microbatch) in kept for a in row)), len(rows))
-
-

@@ -37,9 +37,9 @@ def test_a_config_built_on_the_meta_device_has_the_captured_models_weights():
     # The config's estimates of one block, against what torch measured on the same block
     # (FLOPs: torch's counter; saved bytes: the graph's, which also holds the block's weights).
     assert configured.block_flops_per_row == pytest.approx(captured.block_flops_per_row, rel=0.25)
-    # The hidden state and its row of the attention mask, which travels with it (the module's has cos/sin too).
-    assert configured.stream_bytes_per_row == 8 * (32 + 8) * 4
-    assert configured.stream_bytes_per_row == pytest.approx(captured.stream_bytes_per_row, rel=0.1)
+    # The hidden state and its row of the attention mask, which travels with it; the module's, as the
+    # spmd executor packs them (its rotary cos/sin are the same for every row, held once, not packed).
+    assert configured.stream_bytes_per_row == captured.stream_bytes_per_row == 8 * (32 + 8) * 4
 
 
 def test_a_layouts_weights_are_the_memory_models_and_its_bubble_the_schedules_table():

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import math
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -33,7 +34,6 @@ import networkx as nx
 import torch
 import torch.fx
 from torch import nn
-from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 from xpipe.capture import Captured, flat_inputs, is_batch_size, trace_layers
@@ -185,12 +185,11 @@ class _Profiler(torch.fx.Interpreter):
 
     def run_node(self, node: torch.fx.Node) -> Any:
         saved: dict[int, int] = {}
-        # Attention as XLA computes it: the probabilities made whole and saved (no fused kernel).
-        with FlopCounterMode(display=False) as flops, _count_saved(saved, self.weights), \
-                sdpa_kernel(SDPBackend.MATH):
+        with FlopCounterMode(display=False) as flops, _count_saved(saved, self.weights):
             start = time.perf_counter()
             value = super().run_node(node)
             elapsed = time.perf_counter() - start
+        saved[-id(node)] = self._attention_probabilities(node)
         self.records[node] = {
             "value": value,
             "flops": flops.get_total_flops(),
@@ -198,6 +197,19 @@ class _Profiler(torch.fx.Interpreter):
             "time_s": elapsed,
         }
         return value
+
+    def _attention_probabilities(self, node: torch.fx.Node) -> int:
+        """Bytes of the attention probabilities an attention node's backward needs, which
+        XLA's attention makes whole and keeps (``[..., queries, keys]``), where a fused CPU
+        kernel keeps none: so that what a block saves is counted as XLA runs it. An
+        ``nn.MultiheadAttention`` the trace keeps whole is counted as torch's kernel saves."""
+        if node.op != "call_function" or "scaled_dot_product" not in str(node.target):
+            return 0
+        args, _ = self.fetch_args_kwargs_from_env(node)
+        query, key = args[0], args[1]
+        if not (torch.is_grad_enabled() and (query.requires_grad or key.requires_grad)):
+            return 0
+        return math.prod(query.shape[:-1]) * key.shape[-2] * query.element_size()
 
 
 @contextlib.contextmanager

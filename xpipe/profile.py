@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from xpipe.spmd.stacking import StackedModel, block_inputs, cut_for_stacking
 from xpipe.tensor_rules import Rules, key_value_heads_of, query_head_counts, tensor_dims, with_shared_key_values
 
 
@@ -78,14 +79,16 @@ def profile_of_model(model: nn.Module, sample_input: Any) -> ModelProfile:
     Raises:
         ValueError: naming ``model`` if it has no run of identical blocks to stack.
     """
-    from xpipe.partition import entry_bytes, partition
+    from xpipe.capture import trace_layers
+    from xpipe.partition import entry_bytes, partition_captured
 
-    captured = partition(model, 1, sample_input=sample_input, cost="flops")
-    repeated = captured.repeated
+    traced = trace_layers(model, sample_input)
+    whole = partition_captured(model, traced, 1, sample_input=sample_input, cost="flops")
+    repeated = whole.repeated
     if repeated is None:
         raise ValueError("model: it has no run of identical blocks, which the spmd executor (the one that "
                          "shards stages over fsdp and tensor) needs; plan only models with repeated blocks")
-    graph = captured.graph
+    graph = whole.graph
     layers = graph.graph["layers"]
     rows = _rows(sample_input)
     block_layers = [layers[repeated.start + i] for i in range(repeated.period)]
@@ -100,34 +103,46 @@ def profile_of_model(model: nn.Module, sample_input: Any) -> ModelProfile:
     block_saved = sum(graph.nodes[layer].get("activation_bytes", 0) for layer in block_layers)
     outer_saved = sum(graph.nodes[layer].get("activation_bytes", 0) for layer in layers if layer not in body_layers)
     itemsize = next(model.parameters()).element_size()
+    try:
+        stacked = cut_for_stacking(model, whole, sample_input, traced)
+    except ValueError:  # the spmd executor cannot stack it: what crosses into the body, as measured
+        stacked = None
     return ModelProfile(
         name=type(model).__name__, blocks=repeated.count,
         block_weights=tuple((name, tuple(p.shape)) for name, p in block_params),
         outer_weights=tuple(outer.values()),
         block_flops_per_row=block_flops / rows,
         outer_flops_per_row=(total_flops - repeated.count * block_flops) / rows,
-        stream_bytes_per_row=entry_bytes(graph)[repeated.start] / rows,
+        stream_bytes_per_row=(_packed_row_bytes(stacked, sample_input) if stacked is not None
+                              else entry_bytes(graph)[repeated.start] / rows),
         block_saved_bytes_per_row=block_saved / rows, outer_saved_bytes_per_row=outer_saved / rows,
         itemsize=itemsize, heads=tuple(sorted(set(query_head_counts(model).values()))),
         key_value_heads=key_value_heads_of(model),
-        read_tensor_dims=_read_tensor_dims(model, captured, sample_input, [name for name, _ in block_params]))
+        read_tensor_dims=_read_tensor_dims(stacked, sample_input, [name for name, _ in block_params]))
 
 
-def _read_tensor_dims(model: nn.Module, captured: Any, sample_input: Any,
+def _packed_row_bytes(stacked: StackedModel, sample_input: Any) -> float:
+    """Bytes per row of what travels into each block as the spmd executor packs it: the
+    stream and every side input with a row per batch row (an attention mask's
+    ``[1, s, s]``, even where the sample's is one for all rows), in the stream's dtype."""
+    stream, *sides = block_inputs(stacked, sample_input)
+    per_row = [side for side, rows in zip(sides, stacked.side_rows) if rows]
+    return sum(piece[0].numel() for piece in (stream, *per_row)) * stream.element_size()
+
+
+def _read_tensor_dims(stacked: StackedModel | None, sample_input: Any,
                       names: list[str]) -> tuple[tuple[str, int | None], ...]:
     """The split dims read from the block's graph, where a block weight no built-in
-    rule names needs them and the graph tells (the model is captured once more)."""
-    from xpipe.spmd.stacking import block_inputs, cut_for_stacking
-    from xpipe.tensor_inference import infer_tensor_dims
+    rule names needs them and the graph tells."""
+    from xpipe.tensor_inference import CannotInfer, infer_tensor_dims
     from xpipe.tensor_rules import unruled
 
-    if not unruled(names):
+    if stacked is None or not unruled(names):
         return ()
     try:
-        stacked = cut_for_stacking(model, captured, sample_input)
         return tuple(infer_tensor_dims(stacked.blocks[0], block_inputs(stacked, sample_input)).items())
-    except ValueError:  # not stackable, or the graph does not tell (CannotInfer)
-        return ()  # no tensor layout is planned for it, as without a rule
+    except CannotInfer:  # no tensor layout is planned for it, as without a rule
+        return ()
 
 
 def profile_of_config(config: Any, seq: int, itemsize: int = 2) -> ModelProfile:

@@ -163,3 +163,37 @@ def test_tensors_tied_to_an_anchor_keep_their_values_and_wait_for_their_own_row_
     anchor[1, 0, 0] = float("nan")
     tied_state, _ = tied_to([state, ids], anchor)
     assert torch.equal(tied_state[0], state[0]) and tied_state[1].isnan().all()
+
+
+def test_the_profile_counts_attention_probabilities_however_attention_is_called(monkeypatch):
+    """What a layer saves counts each attention call's ``[..., queries, keys]``
+    probabilities beside what torch saved (XLA keeps them; torch's fused CPU kernel does
+    not), its query and key given by position or by name; nothing where no gradient is
+    wanted."""
+    import xpipe.graph
+    from xpipe.graph import module_graph
+
+    class Attention(torch.nn.Module):
+        def __init__(self, by_name: bool) -> None:
+            super().__init__()
+            self.proj, self.by_name = torch.nn.Linear(8, 8), by_name
+
+        def forward(self, x):
+            q = self.proj(x).view(2, 5, 2, 4).transpose(1, 2)
+            if self.by_name:
+                return F.scaled_dot_product_attention(query=q, key=q, value=q)
+            return F.scaled_dot_product_attention(q, q, q)
+
+    def saved(by_name: bool, grad: bool = True) -> int:
+        model = torch.nn.Sequential(Attention(by_name), torch.nn.Flatten())
+        model.requires_grad_(grad)
+        graph = module_graph(model, torch.randn(2, 5, 8))
+        return sum(graph.nodes[layer].get("activation_bytes", 0) for layer in graph.graph["layers"])
+
+    counted = {by_name: saved(by_name) for by_name in (False, True)}
+    monkeypatch.setattr(xpipe.graph._AttentionProbabilities, "__torch_dispatch__",
+                        lambda self, func, types, args=(), kwargs=None: func(*args, **(kwargs or {})))
+    probabilities = 2 * 2 * 5 * 5 * 4  # rows, heads, queries, keys, float32
+    assert counted[False] - saved(False) == counted[True] - saved(True) == probabilities
+    monkeypatch.undo()
+    assert saved(by_name=False, grad=False) == 0

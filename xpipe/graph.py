@@ -34,6 +34,7 @@ import networkx as nx
 import torch
 import torch.fx
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
 from xpipe.capture import Captured, flat_inputs, is_batch_size, trace_layers
@@ -185,11 +186,12 @@ class _Profiler(torch.fx.Interpreter):
 
     def run_node(self, node: torch.fx.Node) -> Any:
         saved: dict[int, int] = {}
-        with FlopCounterMode(display=False) as flops, _count_saved(saved, self.weights):
+        with FlopCounterMode(display=False) as flops, _count_saved(saved, self.weights), \
+                _AttentionProbabilities() as attention:
             start = time.perf_counter()
             value = super().run_node(node)
             elapsed = time.perf_counter() - start
-        saved[-id(node)] = self._attention_probabilities(node)
+        saved[-id(node)] = attention.bytes
         self.records[node] = {
             "value": value,
             "flops": flops.get_total_flops(),
@@ -198,18 +200,25 @@ class _Profiler(torch.fx.Interpreter):
         }
         return value
 
-    def _attention_probabilities(self, node: torch.fx.Node) -> int:
-        """Bytes of the attention probabilities an attention node's backward needs, which
-        XLA's attention makes whole and keeps (``[..., queries, keys]``), where a fused CPU
-        kernel keeps none: so that what a block saves is counted as XLA runs it. An
-        ``nn.MultiheadAttention`` the trace keeps whole is counted as torch's kernel saves."""
-        if node.op != "call_function" or "scaled_dot_product" not in str(node.target):
-            return 0
-        args, _ = self.fetch_args_kwargs_from_env(node)
-        query, key = args[0], args[1]
-        if not (torch.is_grad_enabled() and (query.requires_grad or key.requires_grad)):
-            return 0
-        return math.prod(query.shape[:-1]) * key.shape[-2] * query.element_size()
+
+class _AttentionProbabilities(TorchDispatchMode):
+    """Adds up the bytes of the probabilities each attention call's backward needs, which
+    XLA's attention makes whole and keeps (``[..., queries, keys]``) where torch's fused
+    CPU kernel keeps none: so that what a layer saves is counted as XLA runs it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bytes = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if "scaled_dot_product" in func.name() and torch.is_grad_enabled():
+            query, key = (*args, None, None)[:2]
+            query, key = kwargs.get("query", query), kwargs.get("key", key)
+            if (isinstance(query, torch.Tensor) and isinstance(key, torch.Tensor) and min(query.dim(), key.dim()) >= 2
+                    and (query.requires_grad or key.requires_grad)):
+                self.bytes += math.prod(query.shape[:-1]) * key.shape[-2] * query.element_size()
+        return func(*args, **kwargs)
 
 
 @contextlib.contextmanager

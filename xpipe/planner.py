@@ -331,8 +331,9 @@ def _loss_accumulator_bytes(profile: ModelProfile, axes: MeshAxes) -> int:
 def _activation_bytes(profile: ModelProfile, layout: Layout, schedule: Schedule, depth: int, rows: int,
                       batch: int, segments: int) -> int:
     """The busiest device's activations at the step's peak: the conveyor's slot buffer and
-    stage state, the inputs of the cells that recompute, everything the kept cells save, one
-    recomputed cell's working set, and the layers around the body on the device's rows."""
+    stage state, the inputs each clock of the recomputing loop keeps, everything each clock
+    of the keeping loop saves, one recomputed cell's working set, and the layers around the
+    body on the device's rows."""
     stream = rows * profile.stream_bytes_per_row
     block = rows * profile.block_saved_bytes_per_row / layout.tensor  # what one block saves for one microbatch
     cell = depth * block  # one stage's blocks

@@ -191,11 +191,10 @@ class _Profiler(torch.fx.Interpreter):
             start = time.perf_counter()
             value = super().run_node(node)
             elapsed = time.perf_counter() - start
-        saved[-id(node)] = attention.bytes
         self.records[node] = {
             "value": value,
             "flops": flops.get_total_flops(),
-            "activation_bytes": sum(saved.values()),
+            "activation_bytes": sum(saved.values()) + attention.bytes,
             "time_s": elapsed,
         }
         return value

@@ -22,8 +22,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from xpipe.capture import trace_layers
+from xpipe.partition import entry_bytes, partition_captured
 from xpipe.spmd.stacking import StackedModel, block_inputs, cut_for_stacking
-from xpipe.tensor_rules import Rules, key_value_heads_of, query_head_counts, tensor_dims, with_shared_key_values
+from xpipe.tensor_inference import CannotInfer, infer_tensor_dims
+from xpipe.tensor_rules import (Rules, key_value_heads_of, query_head_counts, tensor_dims, unruled,
+                                with_shared_key_values)
 
 
 @dataclass(frozen=True)
@@ -79,9 +83,6 @@ def profile_of_model(model: nn.Module, sample_input: Any) -> ModelProfile:
     Raises:
         ValueError: naming ``model`` if it has no run of identical blocks to stack.
     """
-    from xpipe.capture import trace_layers
-    from xpipe.partition import entry_bytes, partition_captured
-
     traced = trace_layers(model, sample_input)
     whole = partition_captured(model, traced, 1, sample_input=sample_input, cost="flops")
     repeated = whole.repeated
@@ -134,9 +135,6 @@ def _read_tensor_dims(stacked: StackedModel | None, sample_input: Any,
                       names: list[str]) -> tuple[tuple[str, int | None], ...]:
     """The split dims read from the block's graph, where a block weight no built-in
     rule names needs them and the graph tells."""
-    from xpipe.tensor_inference import CannotInfer, infer_tensor_dims
-    from xpipe.tensor_rules import unruled
-
     if stacked is None or not unruled(names):
         return ()
     try:

@@ -117,18 +117,19 @@ def padding_mask(rows: int, seq: int = 8) -> torch.Tensor:
     return mask
 
 
-def assert_llama_step_matches(pipe, reference, ids: torch.Tensor, mask: torch.Tensor) -> None:
+def assert_llama_step_matches(pipe, reference, ids: torch.Tensor, mask: torch.Tensor | None) -> None:
     """One backward of ``mean(logits**2)`` through ``pipe`` (a pipelined Llama) equals
     the same on ``reference`` (the model unpipelined, on the CPU): the logits and every
-    gradient, rtol 1e-4 (``equivalence``)."""
+    gradient, rtol 1e-4 (``equivalence``). Without ``mask``, no ``attention_mask``."""
     import torch_xla
     from equivalence import ATOL, RTOL
 
-    output = pipe(input_ids=ids, attention_mask=mask)
+    inputs = {"input_ids": ids} | ({} if mask is None else {"attention_mask": mask})
+    output = pipe(**inputs)
     assert type(output).__name__ == "CausalLMOutputWithPast"
     output.logits.square().mean().backward()
     torch_xla.sync()
-    expected = reference(input_ids=ids, attention_mask=mask).logits
+    expected = reference(**inputs).logits
     expected.square().mean().backward()
     torch.testing.assert_close(output.logits.cpu(), expected.detach(), rtol=RTOL, atol=ATOL)
     assert_gradients_match(pipe, reference)

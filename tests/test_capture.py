@@ -178,6 +178,50 @@ class Alternating(nn.Module):
         return x
 
 
+class ScaleAndOffset(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
+        return self.linear(x) * scale + offset
+
+
+class BuiltFromTheBatchSize(nn.Module):
+    """Blocks that read two tensors built from the batch's size alone: ``scale``'s rows
+    are equal (as Hugging Face's causal mask, expanded to the batch), ``offset``'s
+    rows are each row's index."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(ScaleAndOffset() for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.size(0)
+        scale = torch.linspace(-1, 1, 8).expand(rows, 8)
+        offset = torch.arange(rows, dtype=x.dtype).unsqueeze(1).expand(rows, 8)
+        for block in self.blocks:
+            x = block(x, scale, offset)
+        return x
+
+
+def test_a_side_input_whose_rows_are_equal_is_held_as_one_row_and_broadcast_in_each_block():
+    """Built from shapes alone is not enough: ``offset`` reads only the batch size too,
+    and its rows differ, so it still travels with its rows."""
+    from xpipe.build import ModelCapture
+
+    model = BuiltFromTheBatchSize()
+    stacked = ModelCapture(model, torch.randn(2, 8)).stacked()
+    assert stacked.side_rows == (False, True)
+    x = torch.randn(5, 8)
+    hidden, scale, offset = stacked.pre(x)[:3]
+    assert scale.shape == (1, 8) and offset.shape == (5, 8)
+    for block in stacked.blocks:
+        hidden = block(hidden, scale, offset)
+    (output,) = stacked.post(hidden, *stacked.pre(x)[3:])  # torch.export's flat outputs
+    torch.testing.assert_close(output, model(x), rtol=0, atol=0)
+
+
 def test_blocks_that_alternate_between_inputs_stack_as_units_of_one_of_each():
     """Gemma 2's layers alternate between a sliding-window and a global mask: alike in
     structure, they were once stacked one layer a block and refused, as every stacked

@@ -37,9 +37,17 @@ def test_a_config_built_on_the_meta_device_has_the_captured_models_weights():
     # The config's estimates of one block, against what torch measured on the same block
     # (FLOPs: torch's counter; saved bytes: the graph's, which also holds the block's weights).
     assert configured.block_flops_per_row == pytest.approx(captured.block_flops_per_row, rel=0.25)
-    # The hidden state and its row of the attention mask, which travels with it; the module's, as the
-    # spmd executor packs them (its rotary cos/sin are the same for every row, held once, not packed).
-    assert configured.stream_bytes_per_row == captured.stream_bytes_per_row == 8 * (32 + 8) * 4
+    # What travels with each row, as the spmd executor packs it: the hidden state, and with a padding
+    # mask its row of the [rows, 1, seq, seq] mask. Without one the mask's rows are equal and, like the
+    # rotary cos/sin, held once by every stage.
+    assert configured.stream_bytes_per_row == captured.stream_bytes_per_row == 8 * 32 * 4
+    padded = profile_of_model(llama(4), {"input_ids": tokens(2, 8), "attention_mask": torch.ones(2, 8, dtype=int)})
+    assert profile_of_config(LlamaConfig(**SMALL), seq=8, itemsize=4, padding_mask=True).stream_bytes_per_row == \
+        padded.stream_bytes_per_row == 8 * (32 + 8) * 4
+    assert padded.hidden_bytes_per_row == configured.hidden_bytes_per_row == 8 * 32 * 4, "what 'tensor' reduces"
+    layout = Layout(stages=2, data=1, fsdp=1, tensor=2, chunks=4)
+    masked, unmasked = (predict(p, layout, chip=preset("v5e"), batch=16).communication for p in (padded, captured))
+    assert masked["tensor"] == unmasked["tensor"] and masked["stage"] == unmasked["stage"] * (32 + 8) / 32
 
 
 def test_a_layouts_weights_are_the_memory_models_and_its_bubble_the_schedules_table():
@@ -97,6 +105,20 @@ def test_llama3_70b_on_256_chips_of_32_gib_fits_and_pure_pipeline_parallelism_is
     assert "GiB per device" in refusal and "over 32.00 GiB" in refusal
 
 
+def test_llama3_70b_at_256_x_2048_fits_14_gib_of_v5e_with_packed_sequences_not_with_a_padding_mask(capsys):
+    """Issue 36's target, by the plan: packed sequences' causal mask is held once by
+    every stage; a padding mask's [seq, seq] form travels with every row. Only the
+    layouts that fit are searched (per block, recomputing every block)."""
+    job = ["llama3-70b", "--devices", "256", "--chip", "v5e", "--batch", "256", "--memory", "14GiB", "--top", "1",
+           "--gather", "block", "--checkpoint", "always"]
+    assert main(job) == 0
+    best = capsys.readouterr().out.splitlines()[3].split()  # index, stage, data, fsdp, tensor, ...
+    assert best[1:5] == ["1", "1", "128", "2"] and float(best[9]) <= 14.0, best
+    with pytest.raises(SystemExit):
+        main([*job, "--padding-mask"])
+    assert "fits nowhere" in capsys.readouterr().err
+
+
 def test_planning_a_405b_model_allocates_nothing():
     """Built on the meta device: the planner's process stays far below the model's 810 GB."""
     script = ("import resource, sys; from xpipe.plan_cli import main; main(['llama3-405b', '--devices', '1024', "
@@ -152,6 +174,7 @@ def test_the_python_api_names_what_is_missing():
     (dict(max_tensor=0), ValueError, r"max_tensor: must be a positive integer"),
     (dict(gathers=("step", "layer")), ValueError, r"gather: 'layer' is not a choice; use one of 'step', 'block'"),
     (dict(gathers="block"), ValueError, r"gathers: a tuple of some of 'step', 'block', got 'block'"),
+    (dict(padding_mask="yes"), TypeError, r"padding_mask: expected True or False .* got 'yes'"),
 ])
 def test_every_argument_is_checked_before_planning(arguments, error, message):
     with pytest.raises(error, match=message):

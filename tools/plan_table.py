@@ -6,7 +6,8 @@ Each row of the first is one ``xpipe.plan`` (the model built on the meta device
 from Meta's published config): the fastest layout that fits, its predicted bytes
 per device and step time, and the smallest pure-pipeline layout's bytes. The
 second is issue 36's reference jobs, planned gathering once per step only and
-with gathering per block allowed. The last line is the deepest model of Llama 3
+with gathering per block allowed, for batches of packed sequences (no padding
+mask) and with a padding mask. The last line is the deepest model of Llama 3
 70B's width (its hidden, MLP, head and vocabulary sizes, fewer layers) that fits
 256 v5e chips at 256 x 2048 tokens.
 """
@@ -30,7 +31,9 @@ CASES = [  # model, chip, chips, batch (sequences), sequence length
 
 REFERENCE_JOBS = [  # model, chip, chips, batch (sequences of 2048), bytes a chip may hold (None: its HBM)
     ("llama3-8b", "v5e", 64, 256, None),
+    ("llama3-8b", "v5e", 64, 256, 12 * GiB),
     ("llama3-70b", "v5e", 256, 256, None),
+    ("llama3-70b", "v5e", 256, 256, 14 * GiB),
     ("llama3-70b", "v5e", 256, 32, None),
     ("llama3-405b", "v5p", 1024, 1024, None),
     ("llama3-405b", "v5p", 1024, 1024, 48 * GiB),
@@ -49,18 +52,21 @@ def verdict(result) -> str:
 
 
 def reference_jobs() -> None:
-    print("| job | gathered per step only | per block allowed |")
-    print("| --- | --- | --- |")
+    """Packed sequences (no padding mask) gathered once per step, then per block too;
+    the last column with a padding mask, whose [seq, seq] form travels with each row."""
+    print("| job | gathered per step only | per block allowed | the same, with a padding mask |")
+    print("| --- | --- | --- | --- |")
+    choices = [(("step",), False), (("step", "block"), False), (("step", "block"), True)]
     for name, chip, chips, batch, memory in REFERENCE_JOBS:
         cells = [verdict(plan(llama3_config(name), devices=chips, batch=batch, chip=chip, memory_per_device=memory,
-                              gathers=gathers)) for gathers in (("step",), ("step", "block"))]
+                              gathers=gathers, padding_mask=padded)) for gathers, padded in choices]
         within = "" if memory is None else f", within {memory / GiB:.0f} GiB"
-        print(f"| {name}, {chips} x {chip}, {batch} x 2048{within} | {cells[0]} | {cells[1]} |")
+        print(f"| {name}, {chips} x {chip}, {batch} x 2048{within} | {' | '.join(cells)} |")
 
 
 def deepest_fitting(chips: int = 256, chip: str = "v5e", batch: int = 256) -> None:
     """The most layers a model of Llama 3 70B's width may have and still fit (a search
-    by halving between 1 layer and 70B's 80)."""
+    by halving between 1 layer and twice 70B's 80)."""
     def config(layers: int):
         wide = llama3_config("llama3-70b")
         wide.num_hidden_layers = layers
@@ -69,7 +75,7 @@ def deepest_fitting(chips: int = 256, chip: str = "v5e", batch: int = 256) -> No
     def fitting(layers: int):
         return plan(config(layers), devices=chips, batch=batch, chip=chip, gathers=("step", "block")).fitting
 
-    fits, fails = 1, 80
+    fits, fails = 1, 161  # twice Llama 3 70B's 80 layers, and one: a width's depth is searched up to there
     while fails - fits > 1:
         middle = (fits + fails) // 2
         fits, fails = (middle, fails) if fitting(middle) else (fits, middle)

@@ -61,6 +61,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--memory", help="bytes a chip may hold, e.g. 16GiB (default: the chip's HBM)")
     parser.add_argument("--batch", type=int, required=True, help="rows (sequences) of the global batch")
     parser.add_argument("--seq", type=int, default=2048, help="sequence length, for a config (default: 2048)")
+    parser.add_argument("--padding-mask", action="store_true",
+                        help="for a config: the batches give an attention_mask (default: packed sequences, none)")
     parser.add_argument("--input-shape", help="sample input shape for a factory's model, e.g. 2,64")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16",
                         help="of weights, gradients, optimizer state and activations (default: bfloat16)")
@@ -84,7 +86,7 @@ def _plan(arguments: argparse.Namespace) -> Plan:
     return plan(model, devices=arguments.devices, batch=arguments.batch, chip=chip, memory_per_device=memory,
                 sample_input=sample, seq=arguments.seq, itemsize=DTYPES[arguments.dtype],
                 optimizer_states=OPTIMIZER_STATES[arguments.optimizer], checkpoints=tuple(arguments.checkpoint),
-                gathers=tuple(arguments.gather), slices=arguments.slices)
+                gathers=tuple(arguments.gather), slices=arguments.slices, padding_mask=arguments.padding_mask)
 
 
 def _model(arguments: argparse.Namespace) -> tuple[Any, Any]:

@@ -155,7 +155,8 @@ def plan(model: nn.Module | ModelProfile | Any, *, devices: int, batch: int, chi
          memory_per_device: int | None = None, sample_input: Any = None, seq: int = 2048,
          itemsize: int | None = None, optimizer_states: int = 2,
          checkpoints: tuple[str, ...] = ("except_last", "always"), max_tensor: int = 8,
-         tensor_rules: Rules | None = None, slices: int = 1, gathers: tuple[str, ...] = GATHERS) -> Plan:
+         tensor_rules: Rules | None = None, slices: int = 1, gathers: tuple[str, ...] = GATHERS,
+         padding_mask: bool = False) -> Plan:
     """Every layout of ``model`` on ``devices`` chips for a global batch of ``batch``
     rows, predicted; those within ``memory_per_device`` (the chip's HBM by default)
     best first.
@@ -180,6 +181,9 @@ def plan(model: nn.Module | ModelProfile | Any, *, devices: int, batch: int, chi
         max_tensor: the largest tensor size (tensor groups stay within a host's chips).
         tensor_rules: as ``Pipe``'s, for the block weights' split dims.
         slices: TPU slices; the stage axis crosses them (DCN), the others stay inside.
+        padding_mask: for a config, whether the batches give an ``attention_mask``
+            (then a ``[seq, seq]`` mask travels with every row); a module's sample
+            input says it itself.
 
     Raises:
         ValueError: naming the argument, for a bad count, size, chip or policy.
@@ -191,7 +195,10 @@ def plan(model: nn.Module | ModelProfile | Any, *, devices: int, batch: int, chi
     capacity = chip.memory if memory_per_device is None else memory_per_device
     _check(devices=devices, batch=batch, capacity=capacity, slices=slices, max_tensor=max_tensor)
     check_optimizer_states(optimizer_states)
-    profile = _profile(model, sample_input, seq)
+    if not isinstance(padding_mask, bool):
+        raise TypeError(f"padding_mask: expected True or False (whether the batches give an attention_mask), "
+                        f"got {padding_mask!r}")
+    profile = _profile(model, sample_input, seq, padding_mask)
     itemsize = profile.itemsize if itemsize is None else itemsize
     if itemsize not in (1, 2, 4, 8):
         raise ValueError(f"itemsize: {itemsize!r} is not a dtype's size in bytes; use 2 (bfloat16) or 4 (float32)")
@@ -213,7 +220,8 @@ def plan(model: nn.Module | ModelProfile | Any, *, devices: int, batch: int, chi
     return Plan(profile, chip, devices, batch, capacity, fitting, refused)
 
 
-def _profile(model: nn.Module | ModelProfile | Any, sample_input: Any, seq: int) -> ModelProfile:
+def _profile(model: nn.Module | ModelProfile | Any, sample_input: Any, seq: int,
+             padding_mask: bool) -> ModelProfile:
     """The profile of whatever ``plan`` was given."""
     if isinstance(model, ModelProfile):
         return model
@@ -223,7 +231,7 @@ def _profile(model: nn.Module | ModelProfile | Any, sample_input: Any, seq: int)
                              "as Pipe's sample_input")
         return profile_of_model(model, sample_input)
     if hasattr(model, "to_dict") and hasattr(model, "model_type"):  # a transformers PretrainedConfig
-        return profile_of_config(model, seq)
+        return profile_of_config(model, seq, padding_mask=padding_mask)
     raise ValueError(f"model: expected an nn.Module, a Hugging Face config or a ModelProfile, got "
                      f"{type(model).__name__}")
 
@@ -367,9 +375,9 @@ def _communication(profile: ModelProfile, layout: Layout, schedule: Schedule, de
         fsdp_bytes = (3 * len(schedule.forward_clocks()) * stage_weights / layout.virtual + 2 * outer_weights) * itemsize
     cells = schedule.chunks * layout.virtual
     tensor_reductions = cells * depth * (4 + 2 * _recomputes(schedule, layout.checkpoint))  # Megatron: 2 + 2 a block
-    hidden = rows * profile.stream_bytes_per_row
+    packed, hidden = rows * profile.stream_bytes_per_row, rows * profile.hidden_bytes_per_row
     return {
-        "stage": schedule.clocks * hidden if axes.stage > 1 else 0.0,
+        "stage": schedule.clocks * packed if axes.stage > 1 else 0.0,
         "fsdp": _ring(axes.fsdp) * fsdp_bytes,
         "data": 2 * _ring(axes.data) * gathered / axes.fsdp,  # all-reduce of the fsdp-sharded gradients
         "tensor": tensor_reductions * 2 * _ring(axes.tensor) * hidden,

@@ -41,6 +41,7 @@ class ModelProfile:
     block_flops_per_row: float  # one block's forward FLOPs for one row of the batch
     outer_flops_per_row: float  # the layers around the blocks (embedding, head)
     stream_bytes_per_row: float  # what crosses into a block (the hidden state and side inputs)
+    hidden_bytes_per_row: float  # the hidden state alone: what "tensor" reduces after a block's halves
     block_saved_bytes_per_row: float  # what one block keeps for its backward
     outer_saved_bytes_per_row: float  # what the layers around the blocks keep (the logits)
     itemsize: int  # bytes per element the above were counted in
@@ -70,6 +71,7 @@ class ModelProfile:
         """The same model with its activations counted in ``itemsize`` bytes per element."""
         ratio = itemsize / self.itemsize
         return dataclasses.replace(self, stream_bytes_per_row=self.stream_bytes_per_row * ratio,
+                                   hidden_bytes_per_row=self.hidden_bytes_per_row * ratio,
                                    block_saved_bytes_per_row=self.block_saved_bytes_per_row * ratio,
                                    outer_saved_bytes_per_row=self.outer_saved_bytes_per_row * ratio,
                                    itemsize=itemsize)
@@ -108,27 +110,32 @@ def profile_of_model(model: nn.Module, sample_input: Any) -> ModelProfile:
         stacked = cut_for_stacking(model, whole, sample_input, traced)
     except ValueError:  # the spmd executor cannot stack it: what crosses into the body, as measured
         stacked = None
+    if stacked is not None:
+        stream_bytes, hidden_bytes = _packed_row_bytes(stacked, sample_input)
+    else:
+        stream_bytes = hidden_bytes = entry_bytes(graph)[repeated.start] / rows
     return ModelProfile(
         name=type(model).__name__, blocks=repeated.count,
         block_weights=tuple((name, tuple(p.shape)) for name, p in block_params),
         outer_weights=tuple(outer.values()),
         block_flops_per_row=block_flops / rows,
         outer_flops_per_row=(total_flops - repeated.count * block_flops) / rows,
-        stream_bytes_per_row=(_packed_row_bytes(stacked, sample_input) if stacked is not None
-                              else entry_bytes(graph)[repeated.start] / rows),
+        stream_bytes_per_row=stream_bytes,
+        hidden_bytes_per_row=hidden_bytes,
         block_saved_bytes_per_row=block_saved / rows, outer_saved_bytes_per_row=outer_saved / rows,
         itemsize=itemsize, heads=tuple(sorted(set(query_head_counts(model).values()))),
         key_value_heads=key_value_heads_of(model),
         read_tensor_dims=_read_tensor_dims(stacked, sample_input, [name for name, _ in block_params]))
 
 
-def _packed_row_bytes(stacked: StackedModel, sample_input: Any) -> float:
-    """Bytes per row of what travels into each block as the spmd executor packs it: the
-    stream and every side input with a row per batch row (an attention mask's
-    ``[1, s, s]``, even where the sample's is one for all rows), in the stream's dtype."""
+def _packed_row_bytes(stacked: StackedModel, sample_input: Any) -> tuple[float, float]:
+    """Bytes per row of what travels into each block as the spmd executor packs it (the
+    stream and every side input with a row per batch row, a padding mask's ``[1, s, s]``
+    among them, in the stream's dtype), and of the stream alone."""
     stream, *sides = block_inputs(stacked, sample_input)
     per_row = [side for side, rows in zip(sides, stacked.side_rows) if rows]
-    return sum(piece[0].numel() for piece in (stream, *per_row)) * stream.element_size()
+    itemsize = stream.element_size()
+    return sum(piece[0].numel() for piece in (stream, *per_row)) * itemsize, stream[0].numel() * itemsize
 
 
 def _read_tensor_dims(stacked: StackedModel | None, sample_input: Any,
@@ -143,10 +150,15 @@ def _read_tensor_dims(stacked: StackedModel | None, sample_input: Any,
         return ()
 
 
-def profile_of_config(config: Any, seq: int, itemsize: int = 2) -> ModelProfile:
+def profile_of_config(config: Any, seq: int, itemsize: int = 2, padding_mask: bool = False) -> ModelProfile:
     """Profile a Hugging Face decoder from its ``config`` (a ``PretrainedConfig``) at
     sequence length ``seq``, counting activations in ``itemsize`` bytes: the model is
     built on the meta device, so a 405B model costs no memory.
+
+    ``padding_mask``: whether the batches give an ``attention_mask``. Hugging Face then
+    builds a ``[rows, 1, seq, seq]`` mask that differs by row, and it travels with each
+    row; without one (packed sequences, as pretraining feeds them) its rows are equal,
+    and every stage holds one row of it (:mod:`xpipe.spmd.stacking`).
 
     Raises:
         ValueError: naming ``config`` if transformers cannot build a causal LM from
@@ -188,9 +200,11 @@ def profile_of_config(config: Any, seq: int, itemsize: int = 2) -> ModelProfile:
         block_weights=tuple((f"{block_names[0]}.{name}", tuple(p.shape)) for name, p in block.named_parameters()),
         outer_weights=tuple(outer.values()),
         block_flops_per_row=block_flops, outer_flops_per_row=2 * seq * hidden * vocab,
-        # The hidden state, and the attention mask Hugging Face builds before the first block
-        # ([rows, 1, seq, seq]), which travels with each row in the stream's dtype (xpipe.spmd.sides).
-        stream_bytes_per_row=seq * (hidden + seq) * itemsize, block_saved_bytes_per_row=saved_elements * itemsize,
+        # The hidden state, and a padding mask's [rows, 1, seq, seq] form, which travels with
+        # each row in the stream's dtype (xpipe.spmd.sides).
+        stream_bytes_per_row=seq * (hidden + (seq if padding_mask else 0)) * itemsize,
+        hidden_bytes_per_row=seq * hidden * itemsize,
+        block_saved_bytes_per_row=saved_elements * itemsize,
         # The logits in the model's dtype, their float32 copy for the loss, and its gradient.
         outer_saved_bytes_per_row=seq * vocab * (itemsize + 8), itemsize=itemsize,
         heads=(heads,), key_value_heads=kv_heads, tokens_per_row=seq)

@@ -27,14 +27,17 @@ MESHES = [(4, 2, 4)]  # stages, data, decoder layers (8 stages of one block: tes
 
 
 @pytest.mark.parametrize("stages, data, layers", MESHES)
-def test_llama_with_a_padding_mask(stages, data, layers):
+@pytest.mark.parametrize("padded", [True, False], ids=["padding-mask", "causal-only"])
+def test_llama_with_and_without_a_padding_mask(stages, data, layers, padded):
+    """With a padding mask the attention mask differs by row and travels with its rows;
+    without one its rows are equal, and every stage holds one row (cos and sin: always)."""
     model = llama(layers)
     reference = copy.deepcopy(model)
-    ids, mask = tokens(8, 8), padding_mask(8)
-    pipe = xpipe.Pipe(model, chunks=4, mesh=xpipe.make_mesh(stages, data),
-                      sample_input={"input_ids": ids[:2], "attention_mask": mask[:2]})
+    ids, mask = tokens(8, 8), padding_mask(8) if padded else None
+    sample = {"input_ids": ids[:2]} | ({"attention_mask": mask[:2]} if padded else {})
+    pipe = xpipe.Pipe(model, chunks=4, mesh=xpipe.make_mesh(stages, data), sample_input=sample)
     assert pipe.executor == "spmd" and pipe.runner.block_count == layers
-    assert pipe.runner.side_rows == (False, False, True), "cos, sin held whole; the mask travels"
+    assert pipe.runner.side_rows == (False, False, padded)
     assert_llama_step_matches(pipe, reference, ids, mask)
     state = pipe.state_dict(keep_vars=True)
     assert state["lm_head.weight"] is state["model.embed_tokens.weight"], "the tie stays a tie"

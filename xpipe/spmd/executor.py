@@ -156,7 +156,7 @@ class SpmdPipeline(nn.Module):
         sides, skips = rest[:len(self.side_rows)], rest[len(self.side_rows):]
         per_row = [side for side, rows in zip(sides, self.side_rows) if rows]
         constants = tuple(side for side, rows in zip(sides, self.side_rows) if not rows)
-        packing = packing_for(stream, per_row)
+        packing = packing_for(stream, per_row, constants)
         slots = to_slots(packing.pack([stream, *per_row]), layout, microbatched)
         # Features flattened: torch_xla shards tensors of at most 5 dims.
         slots = slots.reshape(self.stages * self.replicas, layout.slots, layout.rows, -1)
@@ -197,7 +197,7 @@ class SpmdPipeline(nn.Module):
         valid = self._valid_mask(slots)
         place = self.placement.resting_body if self.gather == "block" else self.placement.gathered_body
         weights = tuple(place(w, split=dim is not None) for w, dim in zip(self.body.effective_weights(), self.body.dims))
-        weights += tuple(self.placement.per_device(c) for c in constants)  # they ride along
+        weights += tuple(self.placement.per_device(_differentiable(c)) for c in constants)  # they ride along
         weights += tuple(self.placement.per_device(carried) for carried, _ in self._block_constants.values())
         carry = (state, slots, valid, weights)
         plain_from = first_kept_clock(self.schedule, self.checkpoint)
@@ -292,8 +292,8 @@ class SpmdPipeline(nn.Module):
         constant side inputs then the block's own constants; an empty slot
         (``valid`` 0) passes the stream through."""
         stream, *per_row = packing.unpack(x)
-        per_row, constants = iter(per_row), iter(extras)
-        sides = [next(per_row) if rows else next(constants) for rows in self.side_rows]
+        per_row, constants, held = iter(per_row), iter(extras), iter(packing.held)
+        sides = [next(per_row) if rows else next(constants).to(next(held)) for rows in self.side_rows]
         own_constants = {name: next(constants).to(dtype) for name, (_, dtype) in self._block_constants.items()}
         params = {name: self.body.unstored(index, w) for index, (name, w) in
                   enumerate(zip(self.body.names, block))} | own_constants
@@ -341,5 +341,6 @@ def _as_tuple(value) -> tuple:
 def _differentiable(constant: torch.Tensor) -> torch.Tensor:
     """``constant`` as a scan carry takes it: floating (scan makes a gradient for every
     carry); an integer one (an index list torch.export lifted) as float32, exact for
-    the small values :func:`xpipe.spmd.stacking._check_alike` lets through."""
+    the small values :func:`xpipe.spmd.stacking._check_alike` lets through; a bool
+    one (a causal mask held once) as float32 0 and 1."""
     return constant if constant.is_floating_point() else constant.to(torch.float32)

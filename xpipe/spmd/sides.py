@@ -27,10 +27,13 @@ _EXACT_IN = {
 @dataclass(frozen=True)
 class Packing:
     """How the stream (piece 0) and the per-row side inputs share one ``[rows, F]``
-    tensor of the stream's dtype: each piece's shape (without its row dim) and dtype."""
+    tensor of the stream's dtype: each piece's shape (without its row dim) and dtype;
+    and the dtype of each side input held whole, which the clock loop carries as a
+    floating tensor (a causal mask held once is bool) and its blocks read back in it."""
 
     shapes: tuple[tuple[int, ...], ...]
     dtypes: tuple[torch.dtype, ...]
+    held: tuple[torch.dtype, ...] = ()
 
     @property
     def sizes(self) -> tuple[int, ...]:
@@ -57,8 +60,9 @@ class Packing:
         return flat if len(self.sizes) == 1 else torch.cat([flat, x[:, self.sizes[0]:]], 1)
 
 
-def packing_for(stream: torch.Tensor, per_row: list[torch.Tensor]) -> Packing:
-    """The packing of ``stream`` and the per-row side inputs ``per_row``.
+def packing_for(stream: torch.Tensor, per_row: list[torch.Tensor], held: tuple[torch.Tensor, ...] = ()) -> Packing:
+    """The packing of ``stream`` and the per-row side inputs ``per_row``, beside the
+    side inputs ``held`` whole.
 
     Raises:
         ValueError: a side input whose values the stream's dtype cannot hold exactly
@@ -72,7 +76,8 @@ def packing_for(stream: torch.Tensor, per_row: list[torch.Tensor]) -> Packing:
                 f"values exactly; compute it in {stream.dtype} (or bool) before the body, or use "
                 "executor='devices'")
     pieces = [stream, *per_row]
-    return Packing(tuple(tuple(piece.shape[1:]) for piece in pieces), tuple(piece.dtype for piece in pieces))
+    return Packing(tuple(tuple(piece.shape[1:]) for piece in pieces), tuple(piece.dtype for piece in pieces),
+                   tuple(side.dtype for side in held))
 
 
 def _holds_exactly(stream: torch.dtype, side: torch.dtype) -> bool:

@@ -15,7 +15,7 @@ import xpipe
 from xpipe.capture import opened_modules, trace_layers
 from xpipe.viz import render, render_text
 from xpipe.schedule import gpipe
-from hf_models import gpt2, llama, padding_mask, t5, tokens
+from hf_models import gpt2, llama, t5, tokens
 
 
 def test_a_hugging_face_llama_is_captured_with_its_own_layer_names():
@@ -220,27 +220,6 @@ def test_a_side_input_whose_rows_are_equal_is_held_as_one_row_and_broadcast_in_e
         hidden = block(hidden, scale, offset)
     (output,) = stacked.post(hidden, *stacked.pre(x)[3:])  # torch.export's flat outputs
     torch.testing.assert_close(output, model(x), rtol=0, atol=0)
-
-
-def test_a_padding_mask_travels_as_its_row_and_each_block_builds_the_attention_mask_from_it():
-    """Hugging Face Llama with a padding mask: the stacked pieces carry the padding
-    mask's row (``seq`` bools, not the ``[seq, seq]`` mask), each block builds the mask
-    again, and pre, the blocks and post on 5 rows (the sample had 2) give the model's
-    logits exactly."""
-    from xpipe.build import ModelCapture
-
-    model = llama(4)
-    ids, mask = tokens(5, 8), padding_mask(5)
-    mask[3, :5] = 0
-    stacked = ModelCapture(model, {"input_ids": ids[:2], "attention_mask": mask[:2]}).stacked()
-    assert stacked.side_rows == (False, False, True), "cos, sin held whole; the padding mask's row travels"
-    hidden, *rest = stacked.pre(ids, mask)
-    sides, skips = rest[:3], rest[3:]
-    assert sides[2].shape == (5, 8) and sides[2].dtype == torch.bool
-    for block in stacked.blocks:
-        hidden = block(hidden, *sides)
-    logits = stacked.exported.folded(stacked.post(hidden, *skips)).logits
-    torch.testing.assert_close(logits, model(input_ids=ids, attention_mask=mask).logits, rtol=0, atol=0)
 
 
 def test_blocks_that_alternate_between_inputs_stack_as_units_of_one_of_each():

@@ -53,7 +53,7 @@ def verdict(result) -> str:
 
 def reference_jobs() -> None:
     """Packed sequences (no padding mask) gathered once per step, then per block too;
-    the last column with a padding mask, whose seq values travel with each row."""
+    the last column with a padding mask, whose [seq, seq] form travels with each row."""
     print("| job | gathered per step only | per block allowed | the same, with a padding mask |")
     print("| --- | --- | --- | --- |")
     choices = [(("step",), False), (("step", "block"), False), (("step", "block"), True)]

@@ -182,8 +182,8 @@ def plan(model: nn.Module | ModelProfile | Any, *, devices: int, batch: int, chi
         tensor_rules: as ``Pipe``'s, for the block weights' split dims.
         slices: TPU slices; the stage axis crosses them (DCN), the others stay inside.
         padding_mask: for a config, whether the batches give an ``attention_mask``
-            (its ``seq`` values then travel with every row); a module's sample input
-            says it itself.
+            (then a ``[seq, seq]`` mask travels with every row); a module's sample
+            input says it itself.
 
     Raises:
         ValueError: naming the argument, for a bad count, size, chip or policy.

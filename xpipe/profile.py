@@ -130,7 +130,7 @@ def profile_of_model(model: nn.Module, sample_input: Any) -> ModelProfile:
 
 def _packed_row_bytes(stacked: StackedModel, sample_input: Any) -> tuple[float, float]:
     """Bytes per row of what travels into each block as the spmd executor packs it (the
-    stream and every side input with a row per batch row, a padding mask's ``s`` bools
+    stream and every side input with a row per batch row, a padding mask's ``[1, s, s]``
     among them, in the stream's dtype), and of the stream alone."""
     stream, *sides = block_inputs(stacked, sample_input)
     per_row = [side for side, rows in zip(sides, stacked.side_rows) if rows]
@@ -155,11 +155,10 @@ def profile_of_config(config: Any, seq: int, itemsize: int = 2, padding_mask: bo
     sequence length ``seq``, counting activations in ``itemsize`` bytes: the model is
     built on the meta device, so a 405B model costs no memory.
 
-    ``padding_mask``: whether the batches give an ``attention_mask``. Its ``seq`` values
-    then travel with each row, and each block builds Hugging Face's ``[rows, 1, seq,
-    seq]`` mask from them; without one (packed sequences, as pretraining feeds them)
-    the mask's rows are equal, and every stage holds one row of it
-    (:mod:`xpipe.spmd.stacking`).
+    ``padding_mask``: whether the batches give an ``attention_mask``. Hugging Face then
+    builds a ``[rows, 1, seq, seq]`` mask that differs by row, and it travels with each
+    row; without one (packed sequences, as pretraining feeds them) its rows are equal,
+    and every stage holds one row of it (:mod:`xpipe.spmd.stacking`).
 
     Raises:
         ValueError: naming ``config`` if transformers cannot build a causal LM from
@@ -201,9 +200,9 @@ def profile_of_config(config: Any, seq: int, itemsize: int = 2, padding_mask: bo
         block_weights=tuple((f"{block_names[0]}.{name}", tuple(p.shape)) for name, p in block.named_parameters()),
         outer_weights=tuple(outer.values()),
         block_flops_per_row=block_flops, outer_flops_per_row=2 * seq * hidden * vocab,
-        # The hidden state, and a padding mask's row, which travels with it in the stream's
-        # dtype (xpipe.spmd.sides).
-        stream_bytes_per_row=seq * (hidden + (1 if padding_mask else 0)) * itemsize,
+        # The hidden state, and a padding mask's [rows, 1, seq, seq] form, which travels with
+        # each row in the stream's dtype (xpipe.spmd.sides).
+        stream_bytes_per_row=seq * (hidden + (seq if padding_mask else 0)) * itemsize,
         hidden_bytes_per_row=seq * hidden * itemsize,
         block_saved_bytes_per_row=saved_elements * itemsize,
         # The logits in the model's dtype, their float32 copy for the loss, and its gradient.

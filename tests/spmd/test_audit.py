@@ -95,12 +95,11 @@ def test_reductions_do_not_grow_with_chunks(audits):
 
 
 def test_a_padding_mask_travels_in_the_streams_own_permutes_and_a_causal_mask_not_at_all():
-    """A Hugging Face Llama: with a padding mask, the padding mask's row (``seq`` bools,
-    from which each block builds the ``[seq, seq]`` attention mask again) rides inside
-    the hidden state's permutes, so the step has as many as without a mask; nothing is
-    gathered or exchanged all-to-all. Without a padding mask the causal mask's rows are
-    equal: every stage holds one row of it, and the permutes carry the hidden state
-    alone."""
+    """A Hugging Face Llama: its attention mask, with a padding mask a row per batch row,
+    rides inside the hidden state's permutes, so the step has as many as without a mask;
+    nothing is gathered or exchanged all-to-all. Without a padding mask the causal mask's
+    rows are equal: every stage holds one row of it, and the permutes carry the hidden
+    state alone (seq / (hidden + seq) = 1/5 fewer bytes here)."""
     permutes, permuted_bytes, side_rows = {}, {}, {}
     for inputs in ({"input_ids": tokens(8, 8)}, {"input_ids": tokens(8, 8), "attention_mask": padding_mask(8)}):
         pipe = xpipe.Pipe(llama(), chunks=4, mesh=xpipe.make_mesh(STAGES, DATA), checkpoint="never",
@@ -112,8 +111,8 @@ def test_a_padding_mask_travels_in_the_streams_own_permutes_and_a_causal_mask_no
         side_rows[len(inputs)] = pipe.runner.side_rows
     assert permutes == {1: 4, 2: 4}, permutes
     assert side_rows == {1: (False, False, False), 2: (False, False, True)}, "cos, sin, then the mask"
-    hidden = llama().config.hidden_size  # per token: the hidden state, and with padding one bool more
-    assert {b * (hidden + 1) for b in permuted_bytes[1]} == {b * hidden for b in permuted_bytes[2]}, permuted_bytes
+    hidden, seq = llama().config.hidden_size, 8
+    assert {b * (hidden + seq) for b in permuted_bytes[1]} == {b * hidden for b in permuted_bytes[2]}, permuted_bytes
 
 
 def test_a_ring_of_one_slot_per_stage_closes_it_in_the_states_own_permute():

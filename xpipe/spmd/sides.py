@@ -69,7 +69,7 @@ def packing_for(stream: torch.Tensor, per_row: list[torch.Tensor], held: tuple[t
             (a float32 mask beside a bfloat16 stream; integers beside a bfloat16 one).
     """
     for index, side in enumerate(per_row):
-        if not holds_exactly(stream.dtype, side.dtype):
+        if not _holds_exactly(stream.dtype, side.dtype):
             raise ValueError(
                 f"module: the blocks read a per-row {side.dtype} tensor (side input {index}, shape "
                 f"{tuple(side.shape)}) that travels with the {stream.dtype} hidden state, which cannot hold its "
@@ -80,9 +80,7 @@ def packing_for(stream: torch.Tensor, per_row: list[torch.Tensor], held: tuple[t
                    tuple(side.dtype for side in held))
 
 
-def holds_exactly(stream: torch.dtype, side: torch.dtype) -> bool:
-    """Whether a tensor of the stream's dtype holds every value of a ``side`` tensor
-    (for integers, those below 2**24, as the masks and ids sides carry are)."""
+def _holds_exactly(stream: torch.dtype, side: torch.dtype) -> bool:
     if side == stream or side == torch.bool:
         return True
     if side.is_floating_point:

@@ -8,7 +8,6 @@ module does the cutting on the torch.fx trace; it touches no device.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,7 +19,6 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from xpipe.capture import Captured, ExportedForm, extract_module, flat_inputs, is_batch_size, trace_layers
 from xpipe.partition import Partition
-from xpipe.spmd.sides import holds_exactly
 
 PRE, POST = "pre", "post"
 
@@ -107,7 +105,6 @@ def cut_for_stacking(module: nn.Module, partition: Partition, sample_input: Any 
         _vmappable(block)
     side_rows = _side_rows(pre, len(sides), sample_input) if sides else ()
     side_rows = _hold_equal_rows_once(pre, blocks, side_rows, sample_input)
-    _build_in_each_block(pre, blocks, side_rows, sample_input)
     return StackedModel(pre, blocks, post, side_rows, ExportedForm.of(traced, module))
 
 
@@ -326,9 +323,20 @@ def _rows_built_equal(pre: torch.fx.GraphModule, side: torch.fx.Node, sample_inp
     """Whether ``side``'s rows are equal for any batch: it reads no input's values (only
     shapes) and nothing random, and on the sample batch and on twice its rows every row
     equals the first (computed on the host from its own operations; a few rows)."""
-    ancestors, read, random = _computed_from(side)
-    if read or random:
-        return False
+    ancestors, todo = set(), [side]
+    while todo:
+        node = todo.pop()
+        if node in ancestors:
+            continue
+        ancestors.add(node)
+        if node.op == "placeholder":
+            return False
+        if isinstance(node.target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in node.target.tags:
+            return False
+        read = node.all_input_nodes
+        if node.target in _READS_METADATA:
+            read = [arg for arg in read if arg is not node.args[0]]
+        todo.extend(read)
     graph = torch.fx.Graph()
     env: dict[torch.fx.Node, torch.fx.Node] = {}
     for node in pre.graph.nodes:
@@ -343,113 +351,6 @@ def _rows_built_equal(pre: torch.fx.GraphModule, side: torch.fx.Node, sample_inp
         if not torch.equal(value, value[:1].expand_as(value)):
             return False
     return True
-
-
-def _computed_from(node: torch.fx.Node) -> tuple[set[torch.fx.Node], set[torch.fx.Node], bool]:
-    """The nodes ``node``'s value is computed from (itself included), the placeholders
-    whose values (not only their shapes) it reads, and whether a random op is among them."""
-    ancestors, read, random, todo = set(), set(), False, [node]
-    while todo:
-        current = todo.pop()
-        if current in ancestors:
-            continue
-        ancestors.add(current)
-        if current.op == "placeholder":
-            read.add(current)
-            continue
-        target = current.target
-        random |= isinstance(target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in target.tags
-        inputs = current.all_input_nodes
-        if target in _READS_METADATA:
-            inputs = [arg for arg in inputs if arg is not current.args[0]]
-        todo.extend(inputs)
-    return ancestors, read, random
-
-
-def _build_in_each_block(pre: torch.fx.GraphModule, blocks: list[torch.fx.GraphModule],
-                         side_rows: tuple[bool, ...], sample_input: Any) -> None:
-    """Let each per-row side that ``pre`` builds from small per-row inputs alone (Hugging
-    Face's ``[rows, 1, s, s]`` mask from a ``[rows, s]`` padding mask) be built again in
-    each block from those inputs, which then travel with the rows instead of it: a
-    ``s``-wide row per batch row, where the mask is ``s x s`` (at Llama 3 70B's 2048
-    tokens, a fifth of what crosses each stage boundary). The blocks compute the same
-    operations on the same values, so the mask is exactly the one ``pre`` built."""
-    if not any(side_rows):
-        return
-    output = next(node for node in pre.graph.nodes if node.op == "output")
-    returned = list(output.args[0])
-    inputs = flat_inputs(sample_input)
-    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
-        built = _on_fakes(pre, inputs, mode)
-    given = {node: value for node, value in zip([n for n in pre.graph.nodes if n.op == "placeholder"], inputs)
-             if isinstance(value, torch.Tensor) and value.dim()}
-    changed = False
-    for index, rows in enumerate(side_rows):
-        side = returned[1 + index]
-        carried = _carried_instead(side, math.prod(built[1 + index].shape[1:]), given) if rows else None
-        if carried is None:
-            continue
-        dtype = given[carried].dtype if carried in given else torch.bool
-        if not holds_exactly(built[0].dtype, dtype):  # it would travel in the stream's dtype
-            continue
-        for block in blocks:
-            _build_from(block, index, side, carried)
-        returned[1 + index] = carried
-        changed = True
-    if changed:
-        output.args = (tuple(returned),)
-        pre.recompile()
-
-
-def _carried_instead(side: torch.fx.Node, side_row: int,
-                     given: dict[torch.fx.Node, torch.Tensor]) -> torch.fx.Node | None:
-    """The input ``side`` is built from, to carry in its place: the one placeholder whose
-    values it reads (converted to bool first, where that is all ``side`` reads of it),
-    if ``side`` reads nothing else, no weight and nothing random, nor the input's
-    metadata beyond its batch size, and a row of the input (``given``: the sample's
-    tensor of each placeholder) is smaller than one of ``side`` (``side_row``
-    elements)."""
-    ancestors, read, random = _computed_from(side)
-    if random or len(read) != 1 or any(node.op == "get_attr" for node in ancestors):
-        return None
-    (source,) = read
-    if source not in given or math.prod(given[source].shape[1:]) >= side_row:
-        return None
-    for node in ancestors:
-        reads_an_input = (node.target in _READS_METADATA and isinstance(node.args[0], torch.fx.Node)
-                          and node.args[0].op == "placeholder")
-        if reads_an_input and (node.target is not torch.ops.aten.sym_size.int or node.args[1] != 0):
-            return None
-    readers = [user for user in source.users if user in ancestors and user.target not in _READS_METADATA]
-    return readers[0] if len(readers) == 1 and _converts_to_bool(readers[0]) else source
-
-
-def _converts_to_bool(node: torch.fx.Node) -> bool:
-    """Whether ``node`` is torch.export's ``.to(..., torch.bool)`` of its first argument."""
-    return (isinstance(node.target, torch._ops.OpOverload) and node.target.overloadpacket is torch.ops.aten.to
-            and torch.bool in (*node.args[1:], *node.kwargs.values()))
-
-
-def _build_from(block: torch.fx.GraphModule, index: int, side: torch.fx.Node, carried: torch.fx.Node) -> None:
-    """In ``block``, side input ``index`` (``side`` in ``pre``) computed from ``carried``'s
-    value, which the block now takes in its place; the batch size from the stream."""
-    stream, *sides = [node for node in block.graph.nodes if node.op == "placeholder"]
-    placeholder = sides[index]
-    before, needed = _computed_from(carried)[0], _computed_from(side)[0]
-    steps = [node for node in side.graph.nodes if node in needed and node not in before]
-    env: dict[torch.fx.Node, torch.fx.Node] = {carried: placeholder}
-    with block.graph.inserting_after(sides[-1]):
-        rows = block.graph.call_function(dim_size, (stream, 0))
-    created, last = {rows}, rows
-    for node in steps:
-        if node.target is torch.ops.aten.sym_size.int:
-            env[node] = rows
-            continue
-        with block.graph.inserting_after(last):
-            env[node] = last = block.graph.node_copy(node, lambda n: env[n])
-        created.add(last)
-    placeholder.replace_all_uses_with(env[side], delete_user_cb=lambda user: user not in created)
-    _vmappable(block)
 
 
 def block_inputs(stacked: StackedModel, sample_input: Any) -> tuple[torch.Tensor, ...]:

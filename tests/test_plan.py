@@ -19,6 +19,7 @@ from xpipe.memory import per_device
 from xpipe.plan_cli import main
 from xpipe.planner import GiB, Layout, predict, preset
 from xpipe.profile import profile_of_config, profile_of_model
+from xpipe.recompute import first_kept_clock
 from xpipe.schedule import gpipe
 
 SMALL = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
@@ -47,7 +48,12 @@ def test_a_config_built_on_the_meta_device_has_the_captured_models_weights():
     assert padded.hidden_bytes_per_row == configured.hidden_bytes_per_row == 8 * 32 * 4, "what 'tensor' reduces"
     layout = Layout(stages=2, data=1, fsdp=1, tensor=2, chunks=4)
     masked, unmasked = (predict(p, layout, chip=preset("v5e"), batch=16).communication for p in (padded, captured))
-    assert masked["tensor"] == unmasked["tensor"] and masked["stage"] == unmasked["stage"] * (32 + 8) / 32
+    assert masked["stage"] == unmasked["stage"] * (32 + 8) / 32
+    # Over "tensor" the same reductions; the conveyor's gathers of each stage's input (every clock, and the
+    # recomputed forward's) also gather the mask: 4 rows x 8 tokens x 8 mask floats, half from the other device.
+    schedule = gpipe(2, 4)
+    gathers = schedule.clocks + first_kept_clock(schedule, layout.checkpoint)
+    assert masked["tensor"] - unmasked["tensor"] == pytest.approx(gathers * 4 * 8 * 8 * 4 / 2)
 
 
 def test_a_layouts_weights_are_the_memory_models_and_its_bubble_the_schedules_table():

@@ -109,6 +109,25 @@ def test_side_inputs_pack_into_the_stream_and_come_back_bit_for_bit():
         packing_for(stream.bfloat16(), [positions])
 
 
+def test_a_packing_for_tensor_devices_gives_each_a_contiguous_share_of_whole_parts_of_every_piece():
+    """With ``ways`` tensor devices the packed features are ``ways`` contiguous shares
+    (what each device carries between stages), each holding its part of every piece,
+    the pieces padded to divide: slicing never cuts a piece's part."""
+    stream = torch.randn(3, 4, 2)  # 8 features: parts of 3, one padded
+    mask = torch.rand(3, 1, 5) > 0.5  # 5 features: parts of 2, one padded
+    packing = packing_for(stream, [mask], ways=3)
+    packed = packing.pack([stream, mask])
+    assert packed.shape == (3, 3 * (3 + 2))
+    shares = packed.view(3, 3, 5)
+    for way in range(3):
+        assert torch.equal(shares[:, way, :3], F.pad(stream.flatten(1), (0, 1))[:, 3 * way:3 * way + 3])
+        assert torch.equal(shares[:, way, 3:], F.pad(mask.flatten(1).float(), (0, 1))[:, 2 * way:2 * way + 2])
+    unpacked = packing.unpack(packed)
+    assert torch.equal(unpacked[0], stream) and torch.equal(unpacked[1], mask)
+    changed = packing.with_stream(packed, stream + 1)
+    assert torch.equal(packing.stream(changed), stream + 1) and torch.equal(packing.unpack(changed)[1], mask)
+
+
 def test_hlo_parser_reads_kinds_sizes_groups_and_loops():
     found = collectives(HLO)
     assert [(c.kind, c.bytes, c.in_loop) for c in found] == [

@@ -343,13 +343,14 @@ def _activation_bytes(profile: ModelProfile, layout: Layout, schedule: Schedule,
     of the keeping loop saves, one recomputed cell's working set, and the layers around the
     body on the device's rows."""
     stream = rows * profile.stream_bytes_per_row
+    conveyed = stream / layout.tensor  # each tensor device carries its share between stages (Packing.ways)
     block = rows * profile.block_saved_bytes_per_row / layout.tensor  # what one block saves for one microbatch
     cell = depth * block  # one stage's blocks
-    # What a recomputed cell keeps: its input, or per block (each slot recomputed on its own)
-    # every block's input. Gathered per block, the backward recomputes one block at a time, each
-    # after the gradient it serves (xpipe.spmd.ordering.after_gradient): one block's activations
-    # at once; otherwise the cell's.
-    recomputed = stream * (depth if layout.gather == "block" else 1)
+    # What a recomputed cell keeps: its input as the conveyor holds it, or per block (each slot
+    # recomputed on its own) every block's input, whole. Gathered per block, the backward recomputes
+    # one block at a time, each after the gradient it serves (xpipe.spmd.ordering.after_gradient):
+    # one block's activations at once; otherwise the cell's.
+    recomputed = stream * depth if layout.gather == "block" else conveyed
     working = block if layout.gather == "block" else cell
     slots = microbatch_slots(layout.chunks, layout.stages)
     # Every forward clock keeps, on every stage, what its loop keeps: the idle cells run real rows.
@@ -358,7 +359,7 @@ def _activation_bytes(profile: ModelProfile, layout: Layout, schedule: Schedule,
     # The layers around the body: mostly the logits, split by vocabulary over "tensor" (layout.outer_step_spec),
     # made one sequence segment at a time for the loss (xpipe.spmd.segmented_loss).
     around = layout.outer_rows(batch) * profile.outer_saved_bytes_per_row / segments / layout.tensor
-    return int((slots + 1) * stream + busiest + around)
+    return int((slots + 1) * conveyed + busiest + around)
 
 
 def _communication(profile: ModelProfile, layout: Layout, schedule: Schedule, depth: int, rows: int,
@@ -376,11 +377,14 @@ def _communication(profile: ModelProfile, layout: Layout, schedule: Schedule, de
     cells = schedule.chunks * layout.virtual
     tensor_reductions = cells * depth * (4 + 2 * _recomputes(schedule, layout.checkpoint))  # Megatron: 2 + 2 a block
     packed, hidden = rows * profile.stream_bytes_per_row, rows * profile.hidden_bytes_per_row
+    # Each tensor device sends its share of the stream to the next stage, and gathers the whole
+    # from its group once per clock it runs: forward, backward, and recomputed forward.
+    conveyor_gathers = schedule.clocks + _loop_clocks(schedule, layout.checkpoint)[0]
     return {
-        "stage": schedule.clocks * packed if axes.stage > 1 else 0.0,
+        "stage": schedule.clocks * packed / axes.tensor if axes.stage > 1 else 0.0,
         "fsdp": _ring(axes.fsdp) * fsdp_bytes,
         "data": 2 * _ring(axes.data) * gathered / axes.fsdp,  # all-reduce of the fsdp-sharded gradients
-        "tensor": tensor_reductions * 2 * _ring(axes.tensor) * hidden,
+        "tensor": (tensor_reductions * 2 * hidden + conveyor_gathers * packed) * _ring(axes.tensor),
     }
 
 

@@ -156,13 +156,14 @@ class SpmdPipeline(nn.Module):
         sides, skips = rest[:len(self.side_rows)], rest[len(self.side_rows):]
         per_row = [side for side, rows in zip(sides, self.side_rows) if rows]
         constants = tuple(side for side, rows in zip(sides, self.side_rows) if not rows)
-        packing = packing_for(stream, per_row, constants)
-        slots = to_slots(packing.pack([stream, *per_row]), layout, microbatched)
+        packing = packing_for(stream, per_row, constants, ways=self.placement.axes.tensor)
+        slots = to_slots(self.placement.whole_rows(packing.pack([stream, *per_row])), layout, microbatched)
         # Features flattened: torch_xla shards tensors of at most 5 dims.
         slots = slots.reshape(self.stages * self.replicas, layout.slots, layout.rows, -1)
         slots, after = fenced(slots, (skips, outer[self.post]))  # the loop starts when all before it is done
-        finished = self._run_clocks(self.placement.shard_batch(slots), layout, packing, constants)
+        finished = self._run_clocks(self.placement.conveyed(slots), layout, packing, constants)
         finished, (skips, post_weights) = fenced(finished, after)  # and what follows it starts when it ends
+        finished = self.placement.whole_rows(finished)
         finished = from_slots(packing.stream(finished.reshape(layout.padded_batch, -1)), layout, microbatched)
         with ShardableOps(), self.batch_norm.updating(), self.loss_over_segments:
             output = functional_call(self.post, post_weights, (finished, *skips))
@@ -193,7 +194,7 @@ class SpmdPipeline(nn.Module):
         rounds = rounds.repeat_interleave(self.replicas, 1).to(slots.device, slots.dtype)  # [T, S * P, V]
         clocks = torch.arange(len(reads), dtype=torch.int32, device=slots.device)
         keys = cell_keys(self._step_seed(slots.device), clocks, self.stages, self.replicas)
-        state = self.placement.shard_batch(slots[:, 0].clone())  # idle cells run real rows (see conveyor)
+        state = self.placement.conveyed(slots[:, 0].clone())  # idle cells run real rows (see conveyor)
         valid = self._valid_mask(slots)
         place = self.placement.resting_body if self.gather == "block" else self.placement.gathered_body
         weights = tuple(place(w, split=dim is not None) for w, dim in zip(self.body.effective_weights(), self.body.dims))
@@ -232,7 +233,9 @@ class SpmdPipeline(nn.Module):
     def _run_stages(self, packing: Packing, weights: tuple[torch.Tensor, ...], valid: torch.Tensor,
                     state: torch.Tensor, rounds: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
         """All stages on all data replicas at once: ``[S * D, rows, F] -> same``."""
-        return torch.vmap(partial(self._run_one_stage, packing))(weights, valid, state, rounds, keys)
+        state = self.placement.from_conveyor(state)
+        return self.placement.to_conveyor(torch.vmap(partial(self._run_one_stage, packing))(weights, valid, state,
+                                                                                           rounds, keys))
 
     @staticmethod
     def _recomputed_stages(run: Callable, weights: tuple[torch.Tensor, ...], valid: torch.Tensor,
@@ -268,13 +271,14 @@ class SpmdPipeline(nn.Module):
         """
         count = len(self.body.names)
         shards, extras = weights[:count], weights[count:]
+        state = self.placement.from_conveyor(state)
         for slot in range(self.depth):
             # Gathered when the slot before it has run, not all at the loop body's start.
             slot_shards = tied_to([self._slot_of_round(w, slot, rounds) for w in shards], state)
             slot_valid = self._slot_of_round(valid, slot, rounds)
             run = partial(self._gathered_slot, packing, slot, len(extras))
             state = recompute(run, state, keys, slot_valid, *extras, *slot_shards, fence=after_gradient)
-        return state
+        return self.placement.to_conveyor(state)
 
     def _gathered_slot(self, packing: Packing, slot: int, extra_count: int, state: torch.Tensor, keys: torch.Tensor,
                        valid: torch.Tensor, *tensors: torch.Tensor) -> torch.Tensor:

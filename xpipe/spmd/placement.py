@@ -11,6 +11,10 @@ whose gradients come back the same way, reduced once, after the loop (a
 reduce-scatter over "fsdp", an all-reduce over "data"); or per block slot
 (``"block"``), inside the loop, from a per-device copy of each resting shard,
 whose gradients are reduced over "fsdp" in the clock that made them.
+
+The stream the conveyor carries between stages is held, with "tensor", as each
+tensor device's share of every row (Megatron's scatter-gather), and gathered whole
+for the stage that runs it (:meth:`Placement.from_conveyor`).
 """
 
 from __future__ import annotations
@@ -81,7 +85,46 @@ class Placement:
 
     def shard_batch(self, x: torch.Tensor) -> torch.Tensor:
         """Shard dim 0 over the whole mesh, stage-major."""
-        return self.annotated(x, (self.batch_axes, *([None] * (x.dim() - 1))))
+        return self.annotated(x, self._rows_spec(x.dim()))
+
+    def conveyed_spec(self, dims: int) -> Spec:
+        """A tensor of the conveyor (``[S * P, ..., F]``): rows over the mesh, stage-major,
+        and with "tensor" each tensor device's share of the features."""
+        return (self.batch_axes, *[None] * (dims - 2), "tensor" if self.axes.tensor > 1 else None)
+
+    def conveyed(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` annotated as the conveyor holds it (:meth:`conveyed_spec`)."""
+        return self.annotated(x, self.conveyed_spec(x.dim()))
+
+    def to_conveyor(self, x: torch.Tensor) -> torch.Tensor:
+        """Inside the clock loop: a stage's output, whole as the stage made it, sliced to
+        each tensor device's share of the features."""
+        return self._resharded(x, (self._rows_spec(x.dim()), self.conveyed_spec(x.dim())))
+
+    def from_conveyor(self, x: torch.Tensor) -> torch.Tensor:
+        """Inside the clock loop: a stage's input, from each tensor device's share to
+        whole on every one of them: one all-gather over "tensor"."""
+        return self._resharded(x, (self.conveyed_spec(x.dim()), self._rows_spec(x.dim())))
+
+    def whole_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """Outside the clock loop: ``x`` (the packed stream entering the conveyor, or leaving
+        it) whole on every tensor device, its gradient too, so that how the conveyor holds
+        the stream does not reach into the layers before and after the body."""
+        return self._resharded(x, (self._rows_spec(x.dim()),))
+
+    def _rows_spec(self, dims: int) -> Spec:
+        """Rows over the mesh, stage-major, everything else whole."""
+        return (self.batch_axes, *[None] * (dims - 1))
+
+    def _resharded(self, x: torch.Tensor, specs: tuple[Spec, ...]) -> torch.Tensor:
+        """With "tensor": ``x`` as each spec in turn holds it, it and its gradient. Given
+        both, XLA moves it from one to the other right there, neither earlier (gathering
+        each input of the operation that made ``x``) nor later (inside the stage's work)."""
+        if self.axes.tensor == 1:
+            return x
+        for spec in specs:
+            x = xs.mark_sharding_with_gradients(x, self.mesh, spec)
+        return x
 
     def gathered_body(self, per_stage: torch.Tensor, *, split: bool = False) -> torch.Tensor:
         """``[S, ...] -> [S * P, ...]``: each row group's own copy of its stage's

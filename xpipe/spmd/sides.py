@@ -28,41 +28,69 @@ _EXACT_IN = {
 class Packing:
     """How the stream (piece 0) and the per-row side inputs share one ``[rows, F]``
     tensor of the stream's dtype: each piece's shape (without its row dim) and dtype;
-    and the dtype of each side input held whole, which the clock loop carries as a
-    floating tensor (a causal mask held once is bool) and its blocks read back in it."""
+    the dtype of each side input held whole, which the clock loop carries as a
+    floating tensor (a causal mask held once is bool) and its blocks read back in it;
+    and ``ways``, the tensor devices that each hold a share of every row as it
+    crosses stages (Megatron's scatter-gather).
+
+    ``F`` is laid out ``[ways, share]``: each piece is cut into ``ways`` equal parts
+    (padded to divide), and a way's share holds its part of every piece, so that
+    each of ``ways`` contiguous slices of ``F`` is whole parts, never a piece's edge.
+    """
 
     shapes: tuple[tuple[int, ...], ...]
     dtypes: tuple[torch.dtype, ...]
     held: tuple[torch.dtype, ...] = ()
+    ways: int = 1
 
     @property
     def sizes(self) -> tuple[int, ...]:
         return tuple(prod(shape) for shape in self.shapes)
 
+    @property
+    def parts(self) -> tuple[int, ...]:
+        """Each piece's part in one way's share (the piece padded to divide)."""
+        return tuple(-(-size // self.ways) for size in self.sizes)
+
     def pack(self, pieces: list[torch.Tensor]) -> torch.Tensor:
         """``[rows, *shape]`` per piece -> ``[rows, F]``."""
-        flat = [piece.reshape(piece.shape[0], -1).to(self.dtypes[0]) for piece in pieces]
-        return flat[0] if len(flat) == 1 else torch.cat(flat, 1)
+        rows = pieces[0].shape[0]
+        parts = [self._cut(piece.reshape(rows, -1).to(self.dtypes[0]), part)
+                 for piece, part in zip(pieces, self.parts)]
+        return (parts[0] if len(parts) == 1 else torch.cat(parts, 2)).flatten(1)
 
     def unpack(self, x: torch.Tensor) -> list[torch.Tensor]:
         """``[rows, F]`` -> each piece as ``[rows, *shape]`` in its own dtype."""
-        parts = torch.split(x, self.sizes, dim=1) if len(self.sizes) > 1 else (x,)
-        return [part.reshape(x.shape[0], *shape).to(dtype)
-                for part, shape, dtype in zip(parts, self.shapes, self.dtypes)]
+        shares = x.reshape(x.shape[0], self.ways, -1)
+        parts = torch.split(shares, self.parts, dim=2) if len(self.parts) > 1 else (shares,)
+        return [part.flatten(1)[:, :size].reshape(x.shape[0], *shape).to(dtype)
+                for part, size, shape, dtype in zip(parts, self.sizes, self.shapes, self.dtypes)]
 
     def stream(self, x: torch.Tensor) -> torch.Tensor:
         """The stream of a packed ``[rows, F]`` tensor, as ``[rows, *shape]``."""
-        return x[:, : self.sizes[0]].reshape(x.shape[0], *self.shapes[0])
+        shares = x.reshape(x.shape[0], self.ways, -1)[:, :, : self.parts[0]]
+        return shares.flatten(1)[:, : self.sizes[0]].reshape(x.shape[0], *self.shapes[0])
 
     def with_stream(self, x: torch.Tensor, stream: torch.Tensor) -> torch.Tensor:
         """``x`` with its stream replaced, the side inputs' bits untouched."""
-        flat = stream.reshape(stream.shape[0], -1)
-        return flat if len(self.sizes) == 1 else torch.cat([flat, x[:, self.sizes[0]:]], 1)
+        part = self._cut(stream.reshape(stream.shape[0], -1), self.parts[0])
+        if len(self.sizes) == 1:
+            return part.flatten(1)
+        rest = x.reshape(x.shape[0], self.ways, -1)[:, :, self.parts[0]:]
+        return torch.cat([part, rest], 2).flatten(1)
+
+    def _cut(self, flat: torch.Tensor, part: int) -> torch.Tensor:
+        """``[rows, size]`` -> ``[rows, ways, part]``, padded with zeros to divide."""
+        missing = part * self.ways - flat.shape[1]
+        if missing:
+            flat = torch.nn.functional.pad(flat, (0, missing))
+        return flat.reshape(flat.shape[0], self.ways, part)
 
 
-def packing_for(stream: torch.Tensor, per_row: list[torch.Tensor], held: tuple[torch.Tensor, ...] = ()) -> Packing:
+def packing_for(stream: torch.Tensor, per_row: list[torch.Tensor], held: tuple[torch.Tensor, ...] = (),
+                ways: int = 1) -> Packing:
     """The packing of ``stream`` and the per-row side inputs ``per_row``, beside the
-    side inputs ``held`` whole.
+    side inputs ``held`` whole, for ``ways`` tensor devices that each carry a share.
 
     Raises:
         ValueError: a side input whose values the stream's dtype cannot hold exactly
@@ -77,7 +105,7 @@ def packing_for(stream: torch.Tensor, per_row: list[torch.Tensor], held: tuple[t
                 "executor='devices'")
     pieces = [stream, *per_row]
     return Packing(tuple(tuple(piece.shape[1:]) for piece in pieces), tuple(piece.dtype for piece in pieces),
-                   tuple(side.dtype for side in held))
+                   tuple(side.dtype for side in held), ways)
 
 
 def _holds_exactly(stream: torch.dtype, side: torch.dtype) -> bool:

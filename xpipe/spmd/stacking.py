@@ -265,9 +265,8 @@ def _side_rows(pre: torch.fx.GraphModule, count: int, sample_input: Any) -> tupl
                          "attention mask, position embeddings); pass sample_input=<a batch as the model takes it> "
                          "so that xpipe can tell which of them have a row per batch row")
     inputs = flat_inputs(sample_input)
-    doubled = [torch.cat([x, x]) if isinstance(x, torch.Tensor) and x.dim() else x for x in inputs]
     with FakeTensorMode(allow_non_fake_inputs=True) as mode:
-        once, twice = _on_fakes(pre, inputs, mode), _on_fakes(pre, doubled, mode)
+        once, twice = _on_fakes(pre, inputs, mode), _on_fakes(pre, _doubled(inputs), mode)
     rows = []
     for index, (a, b) in enumerate(zip(once[1:count + 1], twice[1:count + 1])):
         if not isinstance(a, torch.Tensor) or a.dim() == 0:
@@ -275,6 +274,11 @@ def _side_rows(pre: torch.fx.GraphModule, count: int, sample_input: Any) -> tupl
                              f"with a batch dim ({type(a).__name__}); use executor='devices'")
         rows.append(b.shape[0] == 2 * a.shape[0])
     return tuple(rows)
+
+
+def _doubled(inputs: list[Any]) -> list[Any]:
+    """The sample batch with twice its rows (each input with a batch dim, repeated)."""
+    return [torch.cat([x, x]) if isinstance(x, torch.Tensor) and x.dim() else x for x in inputs]
 
 
 # Operations that read only their first argument's shape, dtype and device.
@@ -345,8 +349,7 @@ def _rows_built_equal(pre: torch.fx.GraphModule, side: torch.fx.Node, sample_inp
     graph.output(env[side])
     only_side = torch.fx.GraphModule(pre, graph)
     inputs = flat_inputs(sample_input)
-    doubled = [torch.cat([x, x]) if isinstance(x, torch.Tensor) and x.dim() else x for x in inputs]
-    for batch in (inputs, doubled):
+    for batch in (inputs, _doubled(inputs)):
         value = only_side(*[x.cpu() if isinstance(x, torch.Tensor) else x for x in batch])
         if not torch.equal(value, value[:1].expand_as(value)):
             return False

@@ -49,6 +49,9 @@ def test_a_config_built_on_the_meta_device_has_the_captured_models_weights():
     layout = Layout(stages=2, data=1, fsdp=1, tensor=2, chunks=4)
     masked, unmasked = (predict(p, layout, chip=preset("v5e"), batch=16).communication for p in (padded, captured))
     assert masked["stage"] == unmasked["stage"] * (32 + 8) / 32
+    # Each tensor device sends the next stage its share of the rows: half of what one device sends without "tensor".
+    untensored = predict(captured, dataclasses.replace(layout, tensor=1), chip=preset("v5e"), batch=16).communication
+    assert unmasked["stage"] == untensored["stage"] / 2
     # Over "tensor" the same reductions; the conveyor's gathers of each stage's input (every clock, and the
     # recomputed forward's) also gather the mask: 4 rows x 8 tokens x 8 mask floats, half from the other device.
     schedule = gpipe(2, 4)

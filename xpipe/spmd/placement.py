@@ -83,10 +83,6 @@ class Placement:
         xs.mark_sharding(tensor, self.mesh, spec)
         return tensor
 
-    def shard_batch(self, x: torch.Tensor) -> torch.Tensor:
-        """Shard dim 0 over the whole mesh, stage-major."""
-        return self.annotated(x, self._rows_spec(x.dim()))
-
     def conveyed_spec(self, dims: int) -> Spec:
         """A tensor of the conveyor (``[S * P, ..., F]``): rows over the mesh, stage-major,
         and with "tensor" each tensor device's share of the features."""

@@ -61,23 +61,24 @@ class Packing:
 
     def unpack(self, x: torch.Tensor) -> list[torch.Tensor]:
         """``[rows, F]`` -> each piece as ``[rows, *shape]`` in its own dtype."""
-        shares = x.reshape(x.shape[0], self.ways, -1)
+        shares = self._shares(x)
         parts = torch.split(shares, self.parts, dim=2) if len(self.parts) > 1 else (shares,)
-        return [part.flatten(1)[:, :size].reshape(x.shape[0], *shape).to(dtype)
-                for part, size, shape, dtype in zip(parts, self.sizes, self.shapes, self.dtypes)]
+        return [self._uncut(part, index) for index, part in enumerate(parts)]
 
     def stream(self, x: torch.Tensor) -> torch.Tensor:
         """The stream of a packed ``[rows, F]`` tensor, as ``[rows, *shape]``."""
-        shares = x.reshape(x.shape[0], self.ways, -1)[:, :, : self.parts[0]]
-        return shares.flatten(1)[:, : self.sizes[0]].reshape(x.shape[0], *self.shapes[0])
+        return self._uncut(self._shares(x)[:, :, : self.parts[0]], 0)
 
     def with_stream(self, x: torch.Tensor, stream: torch.Tensor) -> torch.Tensor:
         """``x`` with its stream replaced, the side inputs' bits untouched."""
         part = self._cut(stream.reshape(stream.shape[0], -1), self.parts[0])
         if len(self.sizes) == 1:
             return part.flatten(1)
-        rest = x.reshape(x.shape[0], self.ways, -1)[:, :, self.parts[0]:]
-        return torch.cat([part, rest], 2).flatten(1)
+        return torch.cat([part, self._shares(x)[:, :, self.parts[0]:]], 2).flatten(1)
+
+    def _shares(self, x: torch.Tensor) -> torch.Tensor:
+        """``[rows, F] -> [rows, ways, share]``."""
+        return x.reshape(x.shape[0], self.ways, -1)
 
     def _cut(self, flat: torch.Tensor, part: int) -> torch.Tensor:
         """``[rows, size]`` -> ``[rows, ways, part]``, padded with zeros to divide."""
@@ -85,6 +86,11 @@ class Packing:
         if missing:
             flat = torch.nn.functional.pad(flat, (0, missing))
         return flat.reshape(flat.shape[0], self.ways, part)
+
+    def _uncut(self, part: torch.Tensor, index: int) -> torch.Tensor:
+        """Piece ``index`` from its ``[rows, ways, part]`` parts (:meth:`_cut`'s inverse), in its own shape and dtype."""
+        whole = part.flatten(1)[:, : self.sizes[index]]
+        return whole.reshape(part.shape[0], *self.shapes[index]).to(self.dtypes[index])
 
 
 def packing_for(stream: torch.Tensor, per_row: list[torch.Tensor], held: tuple[torch.Tensor, ...] = (),

@@ -1,5 +1,8 @@
 """Small Hugging Face models for the tests, built from the library's own classes and
-configs with random weights (nothing is downloaded)."""
+configs with random weights (nothing is downloaded); and a stack of torch's own
+``nn.TransformerEncoderLayer`` that trains as they do."""
+
+from typing import NamedTuple
 
 import torch
 from transformers import (BertConfig, BertForMaskedLM, FalconConfig, FalconForCausalLM, Gemma2Config,
@@ -7,6 +10,24 @@ from transformers import (BertConfig, BertForMaskedLM, FalconConfig, FalconForCa
                           LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM, OPTConfig, OPTForCausalLM,
                           Phi3Config, Phi3ForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM, T5Config,
                           T5ForConditionalGeneration)
+
+
+class Output(NamedTuple):
+    loss: torch.Tensor
+
+
+class EncoderStack(torch.nn.Module):
+    """Four of torch's ``nn.TransformerEncoderLayer`` (4 heads, packed q/k/v), with a
+    loss so that it trains as the Hugging Face models do: ``model(src).loss``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        layer = torch.nn.TransformerEncoderLayer(32, 4, 64, dropout=0.0, batch_first=True)
+        self.encoder = torch.nn.TransformerEncoder(layer, 4, enable_nested_tensor=False)
+
+    def forward(self, src: torch.Tensor):
+        return Output(self.encoder(src).square().mean())
 
 
 def llama(layers: int = 4, heads: int = 4, kv_heads: int = 2, vocab: int = 128) -> LlamaForCausalLM:

@@ -11,8 +11,8 @@ from torch import nn
 from xpipe.layout import MeshAxes, outer_spec, outer_step_spec, shard_numel, stacked_spec, stored_shape
 from xpipe.memory import per_device
 from xpipe.mesh import axes_of, mesh_axes
-from xpipe.tensor_rules import (check_head_counts, check_rules, key_value_heads_of, tensor_dims,
-                                with_shared_key_values)
+from xpipe.tensor_rules import (Packed, check_head_counts, check_rules, key_value_heads_of, tensor_dims,
+                                tensor_splits, with_shared_key_values)
 
 FSDP = MeshAxes(stage=2, data=1, fsdp=4)
 
@@ -135,11 +135,12 @@ def test_built_in_rules_split_column_parallel_weights_on_outputs_and_row_paralle
     assert tensor_dims(LLAMA_BLOCK, LLAMA_BLOCK.values(), 2) == [0, 0, 1, 1, None]
     assert tensor_dims(LLAMA_BLOCK, LLAMA_BLOCK.values(), 1) == [None] * 5
     gpt2 = {"transformer.h.0.attn.c_attn.weight": (32, 96), "transformer.h.0.mlp.c_fc.weight": (32, 128),
-            "transformer.h.0.mlp.c_proj.weight": (128, 32)}  # Conv1D: [in, out]; q, k, v packed: kept whole
-    assert tensor_dims(gpt2, gpt2.values(), 2) == [None, 1, 0]
+            "transformer.h.0.mlp.c_proj.weight": (128, 32)}  # Conv1D: [in, out]; q, k, v one after the other
+    assert tensor_splits(gpt2, gpt2.values(), 2) == [Packed(1), 1, 0]
+    assert tensor_dims(gpt2, gpt2.values(), 2) == [1, 1, 0]
     encoder = {"layers.0.self_attn.in_proj_weight": (96, 32), "layers.0.linear1.weight": (64, 32),
                "layers.0.linear2.weight": (32, 64), "layers.0.norm1.weight": (32,)}
-    assert tensor_dims(encoder, encoder.values(), 2) == [None, 0, 1, None]
+    assert tensor_splits(encoder, encoder.values(), 2) == [Packed(0), 0, 1, None]
 
 
 def test_built_in_rules_cover_opt_gpt_neox_and_the_experts_of_mixtral_and_qwen2_moe():
@@ -174,6 +175,9 @@ def test_weights_no_rule_covers_or_whose_split_dim_does_not_divide_are_refused_b
         tensor_dims(["model.layers.0.self_attn.k_proj.weight"], [(6, 32)], 4)
     with pytest.raises(TypeError, match=r"tensor_rules: expected a dict of parameter-name patterns"):
         check_rules({"*.q_proj.weight": "rows"})
+    with pytest.raises(TypeError, match=r"Packed: dim must be an int >= 0"):
+        Packed(-1)
+    assert check_rules({"*.qkv.weight": Packed(0)}) == {"*.qkv.weight": Packed(0)}
 
 
 def test_a_tensor_size_that_does_not_divide_the_heads_is_refused_naming_them():
@@ -199,6 +203,9 @@ def test_key_value_heads_the_tensor_size_does_not_divide_are_kept_whole_unless_t
     assert tensor_dims(names, shapes, 8, with_shared_key_values(None, heads, 8)) == [0, 0, 0, 1]
     users = with_shared_key_values({"*.k_proj.weight": 0}, heads, 16)
     assert tensor_dims(names, shapes, 16, users) == [0, 0, None, 1]
+    packed = ["model.layers.0.self_attn.qkv_proj.weight"]  # Phi-3: its key/value heads packed with its queries
+    assert tensor_splits(packed, [(4096, 1024)], 16, with_shared_key_values(None, heads, 16)) == [None]
+    assert tensor_splits(packed, [(4096, 1024)], 8, with_shared_key_values(None, heads, 8)) == [Packed(0)]
     with pytest.raises(ValueError, match=r"tensor: 32 does not divide the model's attention heads "
                                          r"\{'config.num_attention_heads': 16\}"):
         check_head_counts(model, 32)

@@ -1,6 +1,6 @@
 """``xpipe.tensor_inference``: the split read from a block's graph is the built-in
-rules' split on every family that has them, keeps packed projections whole, and
-refuses what it cannot read, naming it."""
+rules' split on every family that has them, reads projections packed one after the
+other as packed (split part by part), and refuses what it cannot read, naming it."""
 
 import pytest
 import torch
@@ -12,7 +12,7 @@ from xpipe.build import ModelCapture
 from xpipe.models import Block, MLPBlock
 from xpipe.spmd.stacking import block_inputs
 from xpipe.tensor_inference import CannotInfer, infer_tensor_dims
-from xpipe.tensor_rules import tensor_dims, unruled
+from xpipe.tensor_rules import Packed, tensor_dims, tensor_splits, unruled
 
 
 class EncoderStack(nn.Module):
@@ -49,21 +49,23 @@ FAMILIES = {"llama": lambda: (llama(2), lm_sample()), "gpt2": lambda: (gpt2(2), 
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_the_split_read_from_the_graph_is_the_built_in_rules_split(family):
-    """Column-parallel on outputs, row-parallel on inputs, norms whole, and the packed
-    projections (GPT-2's ``c_attn``, the encoder's ``in_proj_weight``, Phi-3's
-    ``qkv_proj`` and ``gate_up_proj``) whole; GPT-NeoX's, packed per head, split."""
+    """Column-parallel on outputs, row-parallel on inputs, norms whole, and the
+    projections packed one after the other (GPT-2's ``c_attn``, the encoder's
+    ``in_proj_weight``, its heads folded into the batch for attention, Phi-3's
+    ``qkv_proj`` and ``gate_up_proj``) packed; GPT-NeoX's, packed per head, split
+    as one linear."""
     block, inputs = first_block(*FAMILIES[family]())
     names, shapes = zip(*[(name, p.shape) for name, p in block.named_parameters()])
-    built_in = dict(zip(names, tensor_dims(names, shapes, 2)))
+    built_in = dict(zip(names, tensor_splits(names, shapes, 2)))
     assert any(dim is not None for dim in built_in.values())
     assert infer_tensor_dims(block, inputs) == built_in
 
 
 def test_xpipes_own_blocks_which_no_rule_names_are_read_as_megatron_splits_them():
     """``xpipe.models.Block``: q, k and v packed (``qkv``, split apart before the heads)
-    whole; ``proj`` and ``down`` on their inputs, ``up`` on its outputs (its bias too)."""
+    packed; ``proj`` and ``down`` on their inputs, ``up`` on its outputs (its bias too)."""
     assert infer_tensor_dims(Block(32, 4), [torch.randn(2, 8, 32)]) == {
-        "norm1.weight": None, "norm1.bias": None, "qkv.weight": None, "qkv.bias": None,
+        "norm1.weight": None, "norm1.bias": None, "qkv.weight": Packed(0), "qkv.bias": Packed(0),
         "proj.weight": 1, "proj.bias": None, "norm2.weight": None, "norm2.bias": None,
         "up.weight": 0, "up.bias": 0, "down.weight": 1, "down.bias": None}
     assert infer_tensor_dims(MLPBlock(16), [torch.randn(4, 16)]) == {

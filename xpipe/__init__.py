@@ -10,10 +10,11 @@ from xpipe._xla import start_runtime_before_first_backward
 from xpipe.graph import module_graph
 from xpipe.partition import Partition, partition
 from xpipe.planner import plan
+from xpipe.tensor_rules import Packed
 
 start_runtime_before_first_backward()
 
-__all__ = ["Partition", "Pipe", "load", "make_mesh", "module_graph", "partition", "plan", "save"]
+__all__ = ["Packed", "Partition", "Pipe", "load", "make_mesh", "module_graph", "partition", "plan", "save"]
 
 
 def __getattr__(name: str):

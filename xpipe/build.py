@@ -27,14 +27,16 @@ from xpipe.devices.executor import DevicesPipeline
 from xpipe.devices.stages import cut_into_stages
 from xpipe.layout import spread
 from xpipe.mesh import axes_of, make_mesh, mesh_axes, spmd_device
+from xpipe.packed_projections import CannotSplitPacked, PackedLinear, split_packed
 from xpipe.partition import Partition, partition_captured, rebalanced, spmd_balance, spmd_partition
 from xpipe.schedule import Schedule, by_name, check_ring_chunks
 from xpipe.spmd.executor import SCHEDULES as SPMD_SCHEDULES
 from xpipe.spmd.executor import SpmdPipeline, padded_chunks
 from xpipe.spmd.stacking import StackedModel, block_inputs, cut_for_stacking
 from xpipe.tensor_inference import CannotInfer, infer_tensor_dims
-from xpipe.tensor_rules import (Rules, check_convolutions, check_head_counts, key_value_heads_of, tensor_dims,
-                                unruled, unruled_message, with_shared_key_values)
+from xpipe.tensor_rules import (Packed, Rule, Rules, check_convolutions, check_head_counts, covered_by,
+                                key_value_heads_of, split_dim, tensor_splits, unruled, unruled_message,
+                                with_shared_key_values)
 
 EXECUTORS = ("auto", "spmd", "devices")
 
@@ -144,33 +146,34 @@ def build_spmd(capture: ModelCapture, options: Options) -> Built:
                          f"{len(stacked.blocks)} stages, or executor='devices'")
     partition = spmd_partition(whole, spread(len(stacked.blocks), stages * options.virtual), options.balance)
     names = [name for name, _ in stacked.blocks[0].named_parameters()]
-    dims = block_tensor_dims(capture, tensor, options.tensor_rules)
+    splits = block_tensor_splits(capture, tensor, options.tensor_rules)
+    template, packed, dims = split_packed_weights(capture, splits, tensor, options.tensor_rules)
     check_convolutions(stacked.blocks[0], dict(zip(names, dims)))
     mesh = options.mesh if options.mesh is not None else make_mesh(stages)  # the process enters SPMD mode here
     device = spmd_device()
     rebind(module, move_keeping_ties([stacked.pre, stacked.post], device))
-    for piece in [stacked.pre, *stacked.blocks, stacked.post]:
+    for piece in {stacked.pre, *stacked.blocks, stacked.post, template}:  # the template's constants are its own
         place_constants_on(piece, device)
     runner = SpmdPipeline(stacked, mesh, schedule, options.chunks, options.checkpoint, device, tie_groups(module),
-                          dims, options.gather)
+                          dims, options.gather, template, packed)
     retire(module, [p for block in stacked.blocks for p in block.parameters()])
     return Built(runner, partition, schedule, mesh, [device])
 
 
-def block_tensor_dims(capture: ModelCapture, tensor: int, rules: Rules | None) -> list[int | None]:
-    """Each block weight's split dim over "tensor" (or None): by the user's rules, the
+def block_tensor_splits(capture: ModelCapture, tensor: int, rules: Rules | None) -> list[Rule]:
+    """Each block weight's split over "tensor" (a dim, :class:`xpipe.Packed`, or None): by the user's rules, the
     key/value projections whole where "tensor" does not divide their heads
     (:func:`xpipe.tensor_rules.with_shared_key_values`), then the built-in rules, and
     as read from the block's graph (:mod:`xpipe.tensor_inference`) for the weights no
     rule covers and those a built-in rule splits on the wrong dim
-    (:func:`xpipe.tensor_rules.tensor_dims`). Refused before any device work where no
+    (:func:`xpipe.tensor_rules.tensor_splits`). Refused before any device work where no
     rule covers a weight and the graph cannot tell."""
     rules = with_shared_key_values(rules, key_value_heads_of(capture.module), tensor)
     stacked = capture.stacked()
     named = [(name, tuple(p.shape)) for name, p in stacked.blocks[0].named_parameters()]
     names, shapes = [n for n, _ in named], [s for _, s in named]
     if tensor == 1:
-        return tensor_dims(names, shapes, tensor, rules)
+        return tensor_splits(names, shapes, tensor, rules)
     try:
         if capture.sample_input is None:
             raise CannotInfer("xpipe reads it on a batch, and no sample_input= was given")
@@ -181,7 +184,38 @@ def block_tensor_dims(capture: ModelCapture, tensor: int, rules: Rules | None) -
             raise ValueError(unruled_message(tensor, missing, f", and the block's graph does not tell: {reason}")
                              ) from None
         inferred = {}
-    return tensor_dims(names, shapes, tensor, rules, inferred)
+    return tensor_splits(names, shapes, tensor, rules, inferred)
+
+
+def split_packed_weights(capture: ModelCapture, splits: list[Rule], tensor: int, rules: Rules | None
+                         ) -> tuple[torch.fx.GraphModule, list[PackedLinear], list[int | None]]:
+    """The block the clock loop runs, the packed linears it splits part by part
+    (:mod:`xpipe.packed_projections`), and each block weight's split dim.
+
+    Where the block's graph does not show a packed weight's parts (or no
+    ``sample_input`` lets xpipe read it), the built-in rules keep the packed weights
+    whole, as exact as splitting them; a packed weight the user's own rules name
+    is refused instead, naming ``tensor_rules``.
+    """
+    stacked = capture.stacked()
+    block = stacked.blocks[0]
+    names = [name for name, _ in block.named_parameters()]
+    dims = [split_dim(rule) for rule in splits]
+    packed = [name for name, rule in zip(names, splits) if isinstance(rule, Packed)]
+    if not packed:
+        return block, [], dims
+    try:
+        if capture.sample_input is None:
+            raise CannotSplitPacked("xpipe reads the parts on a batch, and no sample_input= was given")
+        template, linears = split_packed(block, packed, block_inputs(stacked, capture.sample_input), tensor)
+    except CannotSplitPacked as reason:
+        asked = [name for name in packed if covered_by(name, rules)]
+        if asked:
+            raise ValueError(f"tensor_rules: {asked} are packed by your rules, but {reason}; give them a rule of "
+                             "None to keep them whole, or split the projections into separate linears") from None
+        return block, [], [None if isinstance(rule, Packed) else dim for rule, dim in zip(splits, dims)]
+    read = {linear.weight: linear.dim for linear in linears} | {linear.bias: 0 for linear in linears if linear.bias}
+    return template, linears, [read.get(name, dim) for name, dim in zip(names, dims)]
 
 
 def build_devices(capture: ModelCapture, options: Options) -> Built:

@@ -26,7 +26,7 @@ from xpipe.capture import trace_layers
 from xpipe.partition import entry_bytes, partition_captured
 from xpipe.spmd.stacking import StackedModel, block_inputs, cut_for_stacking
 from xpipe.tensor_inference import CannotInfer, infer_tensor_dims
-from xpipe.tensor_rules import (Rules, key_value_heads_of, query_head_counts, tensor_dims, unruled,
+from xpipe.tensor_rules import (Packed, Rules, key_value_heads_of, query_head_counts, tensor_splits, unruled,
                                 with_shared_key_values)
 
 
@@ -50,16 +50,24 @@ class ModelProfile:
     tokens_per_row: int = 0  # a row's sequence length, where known (a config's), for the loss's segments
     # The split dims of the block weights no built-in rule names, read from the block's graph
     # (xpipe.tensor_inference) where it tells; empty otherwise.
-    read_tensor_dims: tuple[tuple[str, int | None], ...] = ()
+    read_tensor_dims: tuple[tuple[str, int | Packed | None], ...] = ()
 
     def tensor_dims(self, tensor: int, rules: Rules | None = None) -> list[int | None]:
         """Each block weight's split dim over ``tensor`` devices (or None), as ``Pipe``
         splits it: by ``rules``, the key/value projections whole where ``tensor`` does not
         divide their heads, and the splits read from the block's graph
-        (:func:`xpipe.tensor_rules.tensor_dims`, whose ``ValueError`` it raises)."""
+        (:func:`xpipe.tensor_rules.tensor_splits`, whose ``ValueError`` it raises).
+
+        A packed weight (:class:`xpipe.tensor_rules.Packed`), which Pipe splits part by
+        part, is planned whole: with more than one row a microbatch on a device, XLA
+        gathers attention's q, k and v every clock (docs/scaling.md, "Not done"), which
+        the plan does not count, and planned split the step's peak was 17% above the
+        plan (GPT-2 on 2 x 1 x 4, four rows a microbatch); planned whole, the weights'
+        share makes up for it."""
         names, shapes = zip(*self.block_weights)
         rules = with_shared_key_values(rules, self.key_value_heads, tensor)
-        return tensor_dims(names, shapes, tensor, rules, dict(self.read_tensor_dims))
+        splits = tensor_splits(names, shapes, tensor, rules, dict(self.read_tensor_dims))
+        return [None if isinstance(rule, Packed) else rule for rule in splits]
 
     @property
     def parameters(self) -> int:
@@ -139,8 +147,8 @@ def _packed_row_bytes(stacked: StackedModel, sample_input: Any) -> tuple[float, 
 
 
 def _read_tensor_dims(stacked: StackedModel | None, sample_input: Any,
-                      names: list[str]) -> tuple[tuple[str, int | None], ...]:
-    """The split dims read from the block's graph, where a block weight no built-in
+                      names: list[str]) -> tuple[tuple[str, int | Packed | None], ...]:
+    """The splits read from the block's graph, where a block weight no built-in
     rule names needs them and the graph tells."""
     if stacked is None or not unruled(names):
         return ()

@@ -9,13 +9,17 @@ split on its input features (row-parallel: o, down, fc2), its output back on the
 stream after one reduction over "tensor". Biases follow their linear's output
 features; 1-D weights applied to the stream (norms) stay whole.
 
-An opening linear whose output features are taken apart (q, k and v packed one
-after the other, as in GPT-2's ``c_attn``) stays whole: a contiguous split would
-not keep each head's q, k and v on one device. Packed per head (GPT-NeoX's
-``query_key_value``: the features are reshaped to heads first, then each head's
-are taken apart) is split, whole heads per device. To tell the two apart, the
-reading follows, through every reshape and transpose, the dim that holds the
-outermost factor of the opening features (the one a contiguous split divides).
+An opening linear whose output features are taken apart along their outermost
+factor (q, k and v packed one after the other, as in GPT-2's ``c_attn``) is
+*packed*: it is split part by part (:class:`xpipe.tensor_rules.Packed`, built by
+:mod:`xpipe.packed_projections`), and each part reads on as split. Packed per
+head (GPT-NeoX's ``query_key_value``: the features are reshaped to heads first,
+then each head's are taken apart) is split as any opening linear, whole heads per
+device. To tell the two apart, the reading follows, through every reshape and
+transpose, the dim that holds the outermost factor of the opening features (the
+one a contiguous split divides). Heads folded into the batch dim for attention
+(``nn.MultiheadAttention``) are read unfolded (:mod:`xpipe.head_folds`), as the
+clock loop runs them.
 
 Features reduced across that dim (a router's softmax over experts), merged into a
 dim before it, or joined with others split along another dim stay whole too, and
@@ -44,6 +48,9 @@ from torch._guards import detect_fake_mode
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.func import functional_call
 from torch.fx.experimental.proxy_tensor import make_fx
+
+from xpipe.head_folds import keep_heads_apart, split_last
+from xpipe.tensor_rules import Packed
 
 
 class CannotInfer(ValueError):
@@ -89,9 +96,11 @@ _LAYER_NORMS = {"layer_norm", "native_layer_norm", "rms_norm"}
 _IGNORED = {"_assert_tensor_metadata", "sym_size", "sym_numel", "sym_stride", "_assert_scalar"}
 
 
-def infer_tensor_dims(block: nn.Module, inputs: Sequence[Any]) -> dict[str, int | None]:
+def infer_tensor_dims(block: nn.Module, inputs: Sequence[Any]) -> dict[str, int | Packed | None]:
     """Each parameter of ``block`` (by its name in ``block.named_parameters()``) with
-    the dim "tensor" splits, or None where every device of a tensor group holds it whole.
+    the dim "tensor" splits, :class:`xpipe.tensor_rules.Packed` where it packs
+    projections one after the other, or None where every device of a tensor group
+    holds it whole.
 
     Args:
         block: one block of the model's repeated body.
@@ -102,6 +111,7 @@ def infer_tensor_dims(block: nn.Module, inputs: Sequence[Any]) -> dict[str, int 
         CannotInfer: naming what in the block's graph the inference cannot read.
     """
     graph, params = _aten_graph(block, inputs)
+    keep_heads_apart(graph, _shape, next(x for x in inputs if isinstance(x, torch.Tensor)).shape[0])
     whole: set[torch.fx.Node] = set()
     while True:
         reading = _Reading(params, whole)
@@ -137,6 +147,8 @@ def _op(node: torch.fx.Node) -> str:
     target = node.target
     if target is operator.getitem:
         return "getitem"
+    if target is split_last:
+        return "reshape"
     packet = getattr(target, "overloadpacket", None)
     return packet.__name__ if packet is not None else str(target)
 
@@ -165,16 +177,23 @@ class _Reading:
         self.state: dict[torch.fx.Node, Any] = {}
         self.uses: dict[str, set[int | None]] = {}
         self.kept_whole: set[torch.fx.Node] = set()  # opening linears found to need their features whole
+        self.packed: set[torch.fx.Node] = set()  # opening linears whose features are taken apart into parts
+        self.opened: dict[torch.fx.Node, tuple[Any, Any, int]] = {}  # opening linear -> weight, bias, out dim
         self.transposed: dict[torch.fx.Node, torch.fx.Node] = {}  # ``weight.T`` and the weight
 
-    def dims(self) -> dict[str, int | None]:
-        """Each weight's split dim (its uses agree: each weight is used once in a block)."""
-        dims = {}
+    def dims(self) -> dict[str, int | Packed | None]:
+        """Each weight's split (its uses agree: each weight is used once in a block)."""
+        dims: dict[str, int | Packed | None] = {}
         for name in self.params.values():
             uses = self.uses.get(name, {None})
             if len(uses) > 1:
                 raise CannotInfer(f"the weight {name} is used both split and whole")
             dims[name] = next(iter(uses))
+        for opener in self.packed - self.whole:
+            weight, bias, out_dim = self.opened[opener]
+            dims[self.params[weight]] = Packed(out_dim)
+            if bias in self.params:
+                dims[self.params[bias]] = Packed(0)
         return dims
 
     def read(self, node: torch.fx.Node) -> None:
@@ -230,6 +249,7 @@ class _Reading:
         return None  # back on the stream, after one reduction over "tensor"
 
     def _open(self, node: torch.fx.Node, weight: torch.fx.Node, bias: Any, out_dim: int) -> Region:
+        self.opened[node] = (weight, bias, out_dim)
         whole = node in self.whole
         self._use(weight, None if whole else out_dim)
         self._use(bias, None if whole else 0)
@@ -328,7 +348,7 @@ class _Reading:
             return Region(region.openers, region.dim - (op == "select" and dim < region.dim))
         if op != "select" and _shape(node) == _shape(source):
             return region  # the whole dim: x[:, :]
-        return self._keep_whole(region)
+        return self._part(region, node, _shape(source)[dim], op == "select")
 
     def _take_apart(self, node: torch.fx.Node, op: str) -> list[Region]:
         source = node.args[0]
@@ -337,8 +357,25 @@ class _Reading:
         dim = (node.args[position] if len(node.args) > position else node.kwargs.get("dim", 0)) % len(_shape(source))
         pieces = len(node.meta["val"])
         if dim == region.dim:
-            return [self._keep_whole(region)] * pieces
+            return [self._part(region, node, pieces, op == "unbind")] * pieces
         return [Region(region.openers, region.dim - (op == "unbind" and dim < region.dim))] * pieces
+
+    def _part(self, region: Region, node: torch.fx.Node, parts: int, selected: bool) -> Region:
+        """One of the parts ``node`` takes the features of ``region`` apart into, along
+        their outermost factor: the linears that made them are packed, and the part
+        is split as they were. A part picked from a dim of parts (a select, an
+        unbind) holds its features in its last dim, which must then be their
+        ``1 / parts``; otherwise they stay whole."""
+        if selected:
+            features = {_shape(opener)[-1] for opener in region.openers}
+            value = node.meta.get("val")
+            value = value[0] if isinstance(value, (tuple, list)) else value
+            part = tuple(value.shape) if isinstance(value, torch.Tensor) else None
+            if part is None or features != {part[-1] * parts}:
+                return self._keep_whole(region)
+            region = Region(region.openers, len(part) - 1)
+        self.packed |= region.openers
+        return region
 
     def _reduce(self, node: torch.fx.Node) -> Any:
         source = node.args[0]
@@ -401,8 +438,8 @@ class _Reading:
     def _attention(self, node: torch.fx.Node) -> Any:
         mask = node.args[3] if len(node.args) > 3 else node.kwargs.get("attn_mask")
         joined = self._joined(node, [*node.args[:3], *([mask] if mask is not None else [])])
-        if joined.dim not in (None, len(_shape(node.args[0])) - 3):  # split other than by heads
-            joined = self._keep_whole(joined)
+        if joined.dim is not None and joined.dim >= len(_shape(node.args[0])) - 2:  # split other than by a batch
+            joined = self._keep_whole(joined)  # dim (the heads, wherever they are): by positions or features
         result = node.meta["val"]
         return [joined] * len(result) if isinstance(result, (tuple, list)) else joined
 

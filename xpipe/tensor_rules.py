@@ -14,10 +14,11 @@ models built like it (Mistral, Qwen2), GPT-2 (whose ``Conv1D`` weights are
 ``[in, out]``), BERT, T5, torch's ``nn.TransformerEncoderLayer``, OPT, GPT-NeoX,
 and the mixture-of-experts blocks of Mixtral and Qwen2-MoE. Weights that pack q,
 k and v one after the other (GPT-2's ``c_attn``, ``nn.MultiheadAttention``'s
-``in_proj_weight``, Phi-3's ``qkv_proj``; and Phi-3's ``gate_up_proj``) stay
-whole: a contiguous split of the packed features would not keep each head on one
-device (see docs/scaling.md). GPT-NeoX packs them head by head, so a contiguous split keeps
-whole heads, with their q, k and v, on each device.
+``in_proj_weight``, Phi-3's ``qkv_proj``; and Phi-3's ``gate_up_proj``) are split
+part by part (:class:`Packed`): a contiguous split of the packed features would put
+q on one device and v on another, so each device holds its share of every part
+(:mod:`xpipe.packed_projections`). GPT-NeoX packs them head by head, so a contiguous
+split keeps whole heads, with their q, k and v, on each device.
 
 Experts are split whole, by their first dim: each device of a tensor group holds
 ``experts / T`` of them and runs its own experts' matmuls for every token, and one
@@ -30,7 +31,7 @@ keep their projections whole, Megatron's way (:func:`with_shared_key_values`).
 
 Weights no rule names are split as read from the block's graph
 (:mod:`xpipe.tensor_inference`), which also corrects a built-in rule's dim where
-the graph shows the weight split on its other one (:func:`tensor_dims`).
+the graph shows the weight split on its other one (:func:`tensor_splits`).
 
 Pure: no torch_xla; the spmd executor applies the rules (:mod:`xpipe.spmd.executor`).
 """
@@ -39,10 +40,28 @@ from __future__ import annotations
 
 import fnmatch
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 
 from torch import nn
 
-Rules = Mapping[str, int | None]
+
+@dataclass(frozen=True)
+class Packed:
+    """A rule for a weight that packs projections one after the other along ``dim``,
+    its output features (q, k and v; gate and up): each part is split over "tensor",
+    so that each device holds its own heads of every part. The parts are read from
+    where the block takes the linear's output apart (:mod:`xpipe.packed_projections`);
+    give the linear's bias the rule ``Packed(0)`` too."""
+
+    dim: int
+
+    def __post_init__(self) -> None:
+        if isinstance(self.dim, bool) or not isinstance(self.dim, int) or self.dim < 0:
+            raise TypeError(f"Packed: dim must be an int >= 0 (the packed output features' dim), got {self.dim!r}")
+
+
+Rule = int | None | Packed
+Rules = Mapping[str, Rule]
 
 _LLAMA = {
     "*.self_attn.[qkv]_proj.weight": 0, "*.self_attn.[qkv]_proj.bias": 0,
@@ -51,7 +70,7 @@ _LLAMA = {
     "*.mlp.down_proj.weight": 1, "*.mlp.down_proj.bias": None,
 }
 _GPT2 = {  # Conv1D: weight [in, out]
-    "*.attn.c_attn.weight": None, "*.attn.c_attn.bias": None,  # q, k, v packed
+    "*.attn.c_attn.weight": Packed(1), "*.attn.c_attn.bias": Packed(0),  # q, k, v one after the other
     "*.attn.c_proj.weight": 0, "*.attn.c_proj.bias": None,
     "*.mlp.c_fc.weight": 1, "*.mlp.c_fc.bias": 0,
     "*.mlp.c_proj.weight": 0, "*.mlp.c_proj.bias": None,
@@ -69,7 +88,7 @@ _T5 = {
     "*.DenseReluDense.wi*.weight": 0, "*.DenseReluDense.wo.weight": 1,
 }
 _TORCH_ENCODER = {  # nn.TransformerEncoderLayer
-    "*.self_attn.in_proj_weight": None, "*.self_attn.in_proj_bias": None,  # q, k, v packed
+    "*.self_attn.in_proj_weight": Packed(0), "*.self_attn.in_proj_bias": Packed(0),  # q, k, v one after the other
     "*.self_attn.out_proj.weight": 1, "*.self_attn.out_proj.bias": None,
     "*.linear1.*": 0, "*.linear2.weight": 1, "*.linear2.bias": None,
 }
@@ -80,8 +99,8 @@ _GPT_NEOX = {  # query_key_value packs q, k and v per head ([heads, 3, head_dim]
     "*.attention.query_key_value.*": 0, "*.attention.dense.weight": 1, "*.attention.dense.bias": None,
     "*.mlp.dense_h_to_4h.*": 0, "*.mlp.dense_4h_to_h.weight": 1, "*.mlp.dense_4h_to_h.bias": None,
 }
-_PHI3 = {  # q, k, v packed one after the other, and gate and up: whole (see the module's docstring)
-    "*.self_attn.qkv_proj.weight": None, "*.mlp.gate_up_proj.weight": None,
+_PHI3 = {  # q, k, v packed one after the other, and gate and up
+    "*.self_attn.qkv_proj.weight": Packed(0), "*.mlp.gate_up_proj.weight": Packed(0),
 }
 _EXPERTS = {  # Mixtral, Qwen2-MoE: whole experts per device ([experts, ...]); the router and shared gate whole
     "*.mlp.experts.gate_up_proj": 0, "*.mlp.experts.down_proj": 0, "*.mlp.gate.weight": None,
@@ -90,17 +109,18 @@ _EXPERTS = {  # Mixtral, Qwen2-MoE: whole experts per device ([experts, ...]); t
 }
 _NORMS = {"*norm*.weight": None, "*norm*.bias": None, "*LayerNorm.*": None, "*.ln_[12f].*": None}
 
-BUILT_IN: dict[str, int | None] = {**_LLAMA, **_GPT2, **_BERT, **_T5, **_TORCH_ENCODER, **_OPT, **_GPT_NEOX,
+BUILT_IN: dict[str, Rule] = {**_LLAMA, **_GPT2, **_BERT, **_T5, **_TORCH_ENCODER, **_OPT, **_GPT_NEOX,
                                    **_PHI3, **_EXPERTS, **_NORMS}
 
 _QUERY_HEAD_COUNTS = ("num_attention_heads", "n_head", "num_heads")
 # Where "tensor" does not divide the key/value heads (grouped-query or multi-query attention
 # with fewer of them than tensor devices), every device of a tensor group computes them all.
-_SHARED_KEY_VALUES = {"*.self_attn.[kv]_proj.weight": None, "*.self_attn.[kv]_proj.bias": None}
+_SHARED_KEY_VALUES = {"*.self_attn.[kv]_proj.weight": None, "*.self_attn.[kv]_proj.bias": None,
+                      "*.self_attn.qkv_proj.weight": None}  # Phi-3's key/value heads are packed with its queries
 
 
-def check_rules(rules: Rules | None) -> dict[str, int | None]:
-    """``tensor_rules`` as given to ``Pipe``, checked: patterns to a dim or ``None``.
+def check_rules(rules: Rules | None) -> dict[str, Rule]:
+    """``tensor_rules`` as given to ``Pipe``, checked: patterns to a dim, ``None`` or :class:`Packed`.
 
     Raises:
         TypeError: naming ``tensor_rules`` if it is not such a mapping.
@@ -108,19 +128,29 @@ def check_rules(rules: Rules | None) -> dict[str, int | None]:
     if rules is None:
         return {}
     if not isinstance(rules, Mapping) or not all(
-            isinstance(k, str) and (v is None or (isinstance(v, int) and not isinstance(v, bool) and v >= 0))
+            isinstance(k, str) and (v is None or isinstance(v, Packed) or
+                                    (isinstance(v, int) and not isinstance(v, bool) and v >= 0))
             for k, v in rules.items()):
         raise TypeError(f"tensor_rules: expected a dict of parameter-name patterns to the dim that 'tensor' "
-                        f"splits (an int >= 0) or None (kept whole), e.g. {{'*.q_proj.weight': 0}}; got {rules!r}")
+                        f"splits (an int >= 0), None (kept whole) or xpipe.Packed(dim) (projections packed one "
+                        f"after the other, split part by part), e.g. {{'*.q_proj.weight': 0}}; got {rules!r}")
     return dict(rules)
 
 
 def tensor_dims(names: Iterable[str], shapes: Iterable[tuple[int, ...]], tensor: int,
                 rules: Rules | None = None, inferred: Rules | None = None) -> list[int | None]:
-    """For each block weight (its name and shape), the dim "tensor" splits, or None.
+    """For each block weight (its name and shape), the dim "tensor" splits, or None
+    (a :class:`Packed` weight's is its packed dim): see :func:`tensor_splits`."""
+    return [split_dim(rule) for rule in tensor_splits(names, shapes, tensor, rules, inferred)]
+
+
+def tensor_splits(names: Iterable[str], shapes: Iterable[tuple[int, ...]], tensor: int,
+                  rules: Rules | None = None, inferred: Rules | None = None) -> list[Rule]:
+    """For each block weight (its name and shape), the rule that splits it over
+    "tensor": a dim, :class:`Packed` (split part by part) or None (whole).
 
     The user's ``rules`` are tried before the built-in ones; the first pattern
-    that matches a name decides. A weight no pattern matches takes its dim from
+    that matches a name decides. A weight no pattern matches takes its rule from
     ``inferred`` (by name: what :mod:`xpipe.tensor_inference` read from the
     block's graph), and so does one a built-in rule splits where the graph shows it
     split on its other dim: a name alone does not tell an ``nn.Linear``'s
@@ -141,13 +171,23 @@ def tensor_dims(names: Iterable[str], shapes: Iterable[tuple[int, ...]], tensor:
     if missing:
         raise ValueError(unruled_message(tensor, missing))
     ordered = _ordered(rules)
-    dims = [_rule(name, ordered, check_rules(rules), inferred) for name in names]
-    uneven = [f"{name} {list(shape)} (dim {dim})" for name, shape, dim in zip(names, shapes, dims)
-              if dim is not None and (dim >= len(shape) or shape[dim] % tensor)]
+    splits = [_rule(name, ordered, check_rules(rules), inferred) for name in names]
+    uneven = [f"{name} {list(shape)} (dim {split_dim(rule)})" for name, shape, rule in zip(names, shapes, splits)
+              if rule is not None and (split_dim(rule) >= len(shape) or shape[split_dim(rule)] % tensor)]
     if uneven:
         raise ValueError(f"tensor: {tensor} does not divide the split dim of {uneven}; use a tensor size that "
                          "divides it, or a rule of None for those weights")
-    return dims
+    return splits
+
+
+def split_dim(rule: Rule) -> int | None:
+    """The dim a rule splits: its own, or a :class:`Packed` weight's packed dim."""
+    return rule.dim if isinstance(rule, Packed) else rule
+
+
+def covered_by(name: str, rules: Rules | None) -> bool:
+    """Whether one of the user's ``rules`` names ``name``."""
+    return any(fnmatch.fnmatchcase(name, pattern) for pattern in check_rules(rules))
 
 
 def unruled(names: Iterable[str], rules: Rules | None = None) -> list[str]:
@@ -163,18 +203,22 @@ def unruled_message(tensor: int, names: list[str], why: str = "") -> str:
             "every device of a tensor group), or use tensor=1")
 
 
-def _ordered(rules: Rules | None) -> dict[str, int | None]:
+def _ordered(rules: Rules | None) -> dict[str, Rule]:
     """The user's rules, then the built-in ones they do not replace."""
     return {**check_rules(rules), **{k: v for k, v in BUILT_IN.items() if k not in (rules or {})}}
 
 
-def _rule(name: str, ordered: Rules, users: Rules, inferred: Rules) -> int | None:
-    """``name``'s dim: the first rule that matches it, or the graph's (see :func:`tensor_dims`)."""
+def _rule(name: str, ordered: Rules, users: Rules, inferred: Rules) -> Rule:
+    """``name``'s rule: the first that matches it, or the graph's (see :func:`tensor_splits`)."""
     pattern = next((p for p in ordered if fnmatch.fnmatchcase(name, p)), None)
     if pattern is None:
         return inferred[name]
     dim, read = ordered[pattern], inferred.get(name)
-    return read if pattern not in users and None not in (dim, read) else dim
+    if pattern in users or name not in inferred:
+        return dim
+    if isinstance(dim, Packed):  # whether the parts can be split is the graph's to say
+        return read
+    return read if None not in (dim, read) else dim
 
 
 def check_head_counts(model: nn.Module, tensor: int) -> None:
@@ -216,7 +260,7 @@ def key_value_heads_of(model: nn.Module) -> int | None:
     return heads if isinstance(heads, int) else None
 
 
-def with_shared_key_values(rules: Rules | None, key_value_heads: int | None, tensor: int) -> dict[str, int | None]:
+def with_shared_key_values(rules: Rules | None, key_value_heads: int | None, tensor: int) -> dict[str, Rule]:
     """``rules``, followed, where ``tensor`` does not divide the model's ``key_value_heads``
     (Falcon's one, a Llama 3 70B's 8 on 16 devices), by rules that keep its key and value
     projections whole, Megatron's way: every device of a tensor group computes every

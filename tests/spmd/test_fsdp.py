@@ -12,7 +12,6 @@ checked in ``test_audit.py``.
 """
 
 import copy
-from typing import NamedTuple
 
 import pytest
 import torch
@@ -21,7 +20,7 @@ import torch_xla
 from checkpoint_checks import (assert_chunks_tile_every_tensor, assert_each_device_loaded_its_shard, loaded_from_shards,
                                no_sharded_tensor_put_together)
 from equivalence import ATOL, RTOL, assert_loads_exactly, compiled, train_steps
-from hf_models import assert_gradients_match, gpt2, llama, padding_mask, tokens
+from hf_models import EncoderStack, assert_gradients_match, gpt2, llama, padding_mask, tokens
 from tiers import in_full_tier
 
 import xpipe
@@ -64,24 +63,6 @@ def inputs_of(family: str) -> dict[str, torch.Tensor]:
     if family == "encoder":
         return {"src": torch.randn(ROWS, 8, 32, generator=torch.Generator().manual_seed(1))}
     return {"input_ids": ids, "labels": ids}
-
-
-class Output(NamedTuple):
-    loss: torch.Tensor
-
-
-class EncoderStack(torch.nn.Module):
-    """Four of torch's ``nn.TransformerEncoderLayer`` (4 heads, packed q/k/v), with a
-    loss so that it trains as the Hugging Face models do: ``model(src).loss``."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        layer = torch.nn.TransformerEncoderLayer(32, 4, 64, dropout=0.0, batch_first=True)
-        self.encoder = torch.nn.TransformerEncoder(layer, 4, enable_nested_tensor=False)
-
-    def forward(self, src: torch.Tensor):
-        return Output(self.encoder(src).square().mean())
 
 
 def model_of(family: str, tensor: int = 1) -> torch.nn.Module:

@@ -87,20 +87,19 @@ def test_families_once_refused_train_on_2_x_4_fsdp(family, blocks, period):
 
 
 ROUTERS = ("mlp.gate.weight", "shared_expert_gate.weight")  # [experts, width] and [1, width]: whole
-PACKED = ("qkv_proj.weight", "gate_up_proj.weight")  # Phi-3's, packed one part after the other: whole
 
 
 @pytest.mark.full  # the quick tier splits Llama and GPT-2 over "tensor"; these are the built-in rules of other families
-@pytest.mark.parametrize("family, whole", [(opt, ()), (gpt_neox, ()), (phi3, PACKED), (mixtral, ROUTERS),
+@pytest.mark.parametrize("family, whole", [(opt, ()), (gpt_neox, ()), (phi3, ()), (mixtral, ROUTERS),
                                            (qwen2_moe, ROUTERS), (lambda: falcon(multi_query=False), ()),
                                            (falcon, ("query_key_value.weight",))],
                          ids=["opt", "gpt_neox", "phi3", "mixtral", "qwen2_moe", "falcon", "falcon_multi_query"])
 def test_families_train_split_over_tensor_with_no_rules_of_the_users(family, whole):
     """On 2 stages x 2 fsdp x 2 tensor, with no ``tensor_rules``: every matrix of the
-    blocks but ``whole`` (the routers; Phi-3's packed projections) is split over
-    "tensor" (OPT's fc1/fc2, GPT-NeoX's ``query_key_value``, packed per head, and its
-    MLP; the experts whole per device, by their first dim), and one step equals the
-    plain model. No built-in rule names Falcon's weights: their split is read from
+    blocks but ``whole`` (the routers) is split over "tensor" (OPT's fc1/fc2, GPT-NeoX's
+    ``query_key_value``, packed per head, and its MLP; Phi-3's ``qkv_proj`` and
+    ``gate_up_proj``, packed one part after the other, part by part; the experts whole
+    per device, by their first dim), and one step equals the plain model. No built-in rule names Falcon's weights: their split is read from
     its block's graph (its ``query_key_value``, packed head by head, split as
     GPT-NeoX's; with multi-query attention, as Falcon is configured by default, q and
     its one key/value head packed one after the other, kept whole)."""

@@ -19,7 +19,7 @@ from torch import nn
 import xpipe
 from equivalence import assert_pipe_matches, train_steps
 from pipe_checks import ATOL, RTOL, batch_for, loss_of, tiny_lm, tiny_mlp
-from xpipe.models import MLPBlock, ResidualBlock
+from xpipe.models import MLPBlock, ResidualBlock, mlp_stack
 
 
 @pytest.fixture(scope="module")
@@ -176,6 +176,19 @@ def test_block_weights_no_rule_covers_and_the_graph_cannot_split_are_refused_bef
     assert all(p.device.type == "cpu" for p in model.parameters())
     pipe = xpipe.Pipe(model, chunks=2, mesh=mesh, tensor_rules={"*.experts": 0})
     assert pipe.runner.body.dims == [0]
+
+
+def test_a_packed_rule_of_the_users_whose_parts_xpipe_cannot_read_is_refused_before_device_work():
+    """``xpipe.Packed`` on a block torch.fx captures as a module: xpipe cannot read
+    where the block takes the packed output apart, so the rule is refused, naming
+    ``tensor_rules``, the model untouched."""
+    model = mlp_stack(4, 16)
+    with pytest.raises(ValueError, match=r"tensor_rules: \['1.up.weight', '1.up.bias'\] are packed by your rules, "
+                                         r"but xpipe captured the block as a module \(torch.fx\).*; give them a "
+                                         r"rule of None"):
+        xpipe.Pipe(model, chunks=2, mesh=xpipe.make_mesh(2, fsdp=2, tensor=2), sample_input=torch.randn(2, 16),
+                   tensor_rules={"*.up.*": xpipe.Packed(0)})
+    assert all(p.device.type == "cpu" for p in model.parameters())
 
 
 def test_recomputed_and_kept_microbatches_get_the_same_masks(mesh):

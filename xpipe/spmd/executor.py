@@ -25,8 +25,8 @@ time.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 import math
+from collections.abc import Callable, Sequence
 from functools import partial
 
 import torch
@@ -39,6 +39,7 @@ from torch_xla.experimental.scan import scan
 from xpipe._batch import check_outputs
 from xpipe._batchnorm import RunningStatistics
 from xpipe.layout import spread
+from xpipe.packed_projections import PackedLinear, packed_parts
 from xpipe.recompute import first_kept_clock, recompute
 from xpipe.schedule import Schedule
 from xpipe.spmd.conveyor import SlotLayout, column_tables, from_slots, slot_layout, make_tick, to_slots
@@ -77,6 +78,10 @@ class SpmdPipeline(nn.Module):
         keys: the wrapped module's ``state_dict`` keys, in order, each with the keys
             that name the same tensor (tied weights).
         dims: per block parameter, the dim "tensor" splits, or None (:func:`xpipe.tensor_rules.tensor_dims`).
+        gather: when the "fsdp" shards are gathered: ``"step"`` or ``"block"``.
+        template: the block the clock loop runs (block 0, or its copy that splits
+            ``packed`` part by part: :func:`xpipe.packed_projections.split_packed`).
+        packed: the linears whose packed weights the loop gets tensor-major.
 
     Attributes:
         state: where each ``state_dict`` key lives (:class:`xpipe.spmd.state_map.StateMap`).
@@ -84,7 +89,8 @@ class SpmdPipeline(nn.Module):
 
     def __init__(self, stacked: StackedModel, mesh: xs.Mesh, schedule: Schedule, chunks: int, checkpoint: str,
                  device: torch.device, keys: dict[str, tuple[str, ...]], dims: list[int | None],
-                 gather: str = "step") -> None:
+                 gather: str = "step", template: torch.fx.GraphModule | None = None,
+                 packed: Sequence[PackedLinear] = ()) -> None:
         super().__init__()
         self.gather = gather
         self.mesh = mesh
@@ -108,7 +114,7 @@ class SpmdPipeline(nn.Module):
         self.virtual = schedule.virtual  # V: model stages per stage group, run round the ring (circular)
         self.per_stage = spread(self.block_count, self.stages * self.virtual)  # per model stage
         self.depth = max(self.per_stage)  # K: block slots per model stage
-        self._template = [stacked.blocks[0]]  # kept out of the module tree: its weights are not ours
+        self._template = [template or stacked.blocks[0]]  # kept out of the module tree: its weights are not ours
         # The blocks' own constants, equal in every block (stacking's check): block 0's, on the device in the
         # form the clock loop carries them, with the dtype each is read back in.
         self._block_constants = {name: (_differentiable(buffer).to(device), buffer.dtype)
@@ -116,7 +122,7 @@ class SpmdPipeline(nn.Module):
         self._block_parameters = [list(block.named_parameters()) for block in stacked.blocks]
         self._frozen = [[not p.requires_grad for _, p in named] for named in self._block_parameters]
         self.body = StackedWeights.from_blocks(stacked.blocks, self._slots(), self.virtual * self.depth, device,
-                                               self.placement, dims)
+                                               self.placement, dims, packed_parts(packed))
         self.state = StateMap(self.body, stacked, keys)
         self._ticks: dict[tuple, Callable] = {}
 
@@ -197,7 +203,8 @@ class SpmdPipeline(nn.Module):
         state = self.placement.conveyed(slots[:, 0].clone())  # idle cells run real rows (see conveyor)
         valid = self._valid_mask(slots)
         place = self.placement.resting_body if self.gather == "block" else self.placement.gathered_body
-        weights = tuple(place(w, split=dim is not None) for w, dim in zip(self.body.effective_weights(), self.body.dims))
+        weights = tuple(place(w, split=dim is not None)
+                        for w, dim in zip(self.body.step_weights(self.placement.axes.tensor), self.body.dims))
         weights += tuple(self.placement.per_device(_differentiable(c)) for c in constants)  # they ride along
         weights += tuple(self.placement.per_device(carried) for carried, _ in self._block_constants.values())
         carry = (state, slots, valid, weights)

@@ -15,6 +15,7 @@ from torch import nn
 
 from xpipe.checkpoints.pieces import Piece, Pieces, ShardSource, flat_boxes
 from xpipe.layout import stored_shape
+from xpipe.packed_projections import tensor_major
 from xpipe.spmd.placement import Placement
 
 
@@ -23,7 +24,9 @@ class StackedWeights(nn.Module):
 
     Flattened because torch_xla shards tensors of at most 5 dims; ``shapes`` keeps
     each block parameter's own shape, ``dims`` the dim "tensor" splits (None: none),
-    which is stored first (:func:`xpipe.layout.stored_shape`). A block parameter that some blocks freeze
+    which is stored first (:func:`xpipe.layout.stored_shape`), ``parts`` the sizes
+    of the projections a packed one holds along that dim (the step reads it
+    tensor-major: :meth:`step_weights`). A block parameter that some blocks freeze
     (``requires_grad=False``) and others train is held twice: the trainable
     blocks' values in the Parameter (zero where a block is frozen, so weight decay
     has nothing to shrink there) and the frozen blocks' values in a buffer; the
@@ -31,23 +34,26 @@ class StackedWeights(nn.Module):
     """
 
     def __init__(self, names: list[str], shapes: list[torch.Size], slots: list[tuple[int, int]],
-                 dims: list[int | None]) -> None:
+                 dims: list[int | None], parts: dict[str, tuple[int, ...]] | None = None) -> None:
         super().__init__()
         self.names = names
         self.shapes = shapes
         self.dims = dims
+        self.parts = parts or {}  # name -> the sizes of the projections a packed weight holds
         self.slots = slots  # (stage, slot) of each block
         self.trainable: dict[str, torch.Tensor] = {}  # name -> [S, K, 1] bool on the device, mixed ones only
         self.frozen_slots: dict[str, set[tuple[int, int]]] = {}  # name -> (stage, slot)s it freezes
 
     @classmethod
     def from_blocks(cls, blocks: list[torch.fx.GraphModule], slots: list[tuple[int, int]], depth: int,
-                    device: torch.device, placement: Placement, dims: list[int | None]) -> StackedWeights:
+                    device: torch.device, placement: Placement, dims: list[int | None],
+                    parts: dict[str, tuple[int, ...]] | None = None) -> StackedWeights:
         """Stack ``blocks`` into ``[S, depth, numel]`` tensors, block ``i`` at ``slots[i]``;
-        ``dims``: per block parameter, the dim "tensor" splits, or None."""
+        ``dims``: per block parameter, the dim "tensor" splits, or None; ``parts``: the
+        packed ones' projections, by name."""
         named = [list(block.named_parameters()) for block in blocks]
         names = [name for name, _ in named[0]]
-        module = cls(names, [p.shape for _, p in named[0]], slots, dims)
+        module = cls(names, [p.shape for _, p in named[0]], slots, dims, parts)
         stages = max(s for s, _ in slots) + 1
         for index, name in enumerate(names):
             values = [parameters[index][1] for parameters in named]
@@ -79,6 +85,13 @@ class StackedWeights(nn.Module):
         """The weights the blocks run with: each slot from its Parameter or, if frozen, its buffer."""
         return [torch.where(self.trainable[name], weight, getattr(self, _attribute(name) + "__frozen"))
                 if name in self.trainable else weight for name, weight in zip(self.names, self.weights)]
+
+    def step_weights(self, tensor: int) -> list[torch.Tensor]:
+        """The weights as the clock loop reads them over ``tensor`` devices: those
+        :meth:`effective_weights`, each packed one tensor-major, so that a device's
+        contiguous share holds its share of every projection packed in it."""
+        return [tensor_major(weight, self.parts[name], tensor) if name in self.parts else weight
+                for name, weight in zip(self.names, self.effective_weights())]
 
     def stored(self, index: int, value: torch.Tensor) -> torch.Tensor:
         """A value of block parameter ``index`` as it is stored: flat, its split dim first."""

@@ -25,6 +25,7 @@ from xpipe._xla import can_enter_spmd, move_keeping_ties, rebind, warm_autograd
 from xpipe.capture import Captured, place_constants_on, trace_layers
 from xpipe.devices.executor import DevicesPipeline
 from xpipe.devices.stages import cut_into_stages
+from xpipe.joined_projections import join_column_parallel
 from xpipe.layout import spread
 from xpipe.mesh import axes_of, make_mesh, mesh_axes, spmd_device
 from xpipe.packed_projections import CannotSplitPacked, PackedLinear, split_packed
@@ -148,6 +149,8 @@ def build_spmd(capture: ModelCapture, options: Options) -> Built:
     names = [name for name, _ in stacked.blocks[0].named_parameters()]
     splits = block_tensor_splits(capture, tensor, options.tensor_rules)
     template, packed, dims = split_packed_weights(capture, splits, tensor, options.tensor_rules)
+    if tensor > 1:  # the backward then reduces the input gradient of each group of them once
+        template, _ = join_column_parallel(template, dict(zip(names, dims)), tensor)
     check_convolutions(stacked.blocks[0], dict(zip(names, dims)))
     mesh = options.mesh if options.mesh is not None else make_mesh(stages)  # the process enters SPMD mode here
     device = spmd_device()

@@ -94,6 +94,13 @@ def packed_part(x: torch.Tensor, tensor: int, start: int, size: int) -> torch.Te
     return shares[..., start // tensor:(start + size) // tensor].reshape(*lead, size)
 
 
+def copy_of(block: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """A copy of ``block``'s graph, on ``block``'s own parameters, to rewrite."""
+    graph = torch.fx.Graph()
+    graph.output(graph.graph_copy(block.graph, {}))
+    return torch.fx.GraphModule(block, graph)
+
+
 def split_packed(block: torch.fx.GraphModule, names: Iterable[str], inputs: Sequence[Any],
                  tensor: int) -> tuple[torch.fx.GraphModule, list[PackedLinear]]:
     """A copy of ``block`` that runs with the packed weights ``names`` (and their
@@ -109,9 +116,8 @@ def split_packed(block: torch.fx.GraphModule, names: Iterable[str], inputs: Sequ
         CannotSplitPacked: naming the weight whose output the graph does not take
             apart by parts "tensor" divides.
     """
-    graph = torch.fx.Graph()
-    graph.output(graph.graph_copy(block.graph, {}))
-    module = torch.fx.GraphModule(block, graph)
+    module = copy_of(block)
+    graph = module.graph
     mode = detect_fake_mode(inputs) or FakeTensorMode(allow_non_fake_inputs=True)
     ShapeProp(module, fake_mode=mode).propagate(*[mode.from_tensor(x) if isinstance(x, torch.Tensor) and not
                                                   isinstance(x, FakeTensor) else x for x in inputs])
@@ -237,10 +243,10 @@ def _replace(user: torch.fx.Node, parts: list[torch.fx.Node]) -> None:
 
 
 def _shape(node: torch.fx.Node) -> tuple[int, ...]:
-    meta = node.meta.get("tensor_meta")
-    if meta is None or not hasattr(meta, "shape"):
+    shape = _shape_or_none(node)
+    if shape is None:
         raise CannotSplitPacked(f"the block's graph gives no shape for {node.name}")
-    return tuple(meta.shape)
+    return shape
 
 
 def _shape_or_none(node: torch.fx.Node) -> tuple[int, ...] | None:

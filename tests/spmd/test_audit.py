@@ -471,43 +471,40 @@ def dots_with_features(report, features: int) -> int:
     return len(re.findall(rf"= \w+\[(?:\d+,)*{features}\]\{{[\d,]*\}} dot\(", Path(report.program).read_text()))
 
 
-@pytest.mark.full  # the quick tier reads GPT-2's collectives on (2, 2, 2) above
-def test_gpt_neox_blocks_run_megatrons_collectives_per_clock():
-    """GPT-NeoX (q, k and v packed per head in one linear, one linear into the MLP): in
-    both clock loops exactly Megatron's collectives over "tensor": two all-reduces per
-    block forward (after the attention's and the MLP's row-parallel linears), two
-    backward (the input gradients of the two column-parallel linears); nothing
-    gathered, nothing over "fsdp" or "data". Each device computes attention for its own
-    2 heads of 4, and the step equals the plain model."""
-    ids = tokens(8, SEQ, VOCAB)
-    _, report, clocks = audited_on_2_2_2(gpt_neox(4, vocab=VOCAB), input_ids=ids, labels=ids)
-    assert all(two_reductions_a_block(clock) for clock in clocks), report
-    assert heads_per_device(report) == 2
+FAMILIES = {  # each family's test model and its inputs, and the features no matmul may make whole
+    "llama": (lambda: llama(4, vocab=VOCAB), VOCAB, []),
+    "gpt_neox": (lambda: gpt_neox(4, vocab=VOCAB), VOCAB, []),
+    "gpt2": (lambda: gpt2(4, dropout=0.0, vocab=VOCAB), VOCAB, [3 * 32]),
+    "phi3": (lambda: phi3(4), 128, [2 * 64]),  # not qkv_proj's 64: each device's gate_up_proj makes 64
+}
 
 
 @pytest.mark.full  # the quick tier reads GPT-2's c_attn split part by part above
-@pytest.mark.parametrize("family", ["gpt2", "encoder", "phi3"])
-def test_packed_projections_split_part_by_part_run_megatrons_collectives_per_clock(family):
-    """GPT-2's ``c_attn``, ``nn.TransformerEncoderLayer``'s ``in_proj_weight`` (q, k and
-    v, its heads folded into the batch dim for attention) and Phi-3's ``qkv_proj`` (q,
-    then k and v of 2 key/value heads) and ``gate_up_proj``, packed one part after the
-    other, split part by part: each clock runs exactly Megatron's collectives over
-    "tensor", no matmul makes a packed weight's whole features, each device attends
-    in the blocks with its own 2 heads of 4, and the step equals the plain model."""
+@pytest.mark.parametrize("family", ["llama", "gpt_neox", "gpt2", "encoder", "phi3"])
+def test_blocks_run_megatrons_collectives_per_clock(family):
+    """Exactly Megatron's collectives over "tensor" in each clock, forward and
+    backward, and each device attends with its own 2 heads of 4; the step equals the
+    plain model. Llama (grouped-query attention): its q, k and v projections, and its
+    gate and up, each run as one linear (:mod:`xpipe.joined_projections`; run apart,
+    the backward clock reduced the input gradient of each: 10 all-reduces where
+    Megatron's are 4). GPT-NeoX: q, k and v packed head by head in one linear.
+    GPT-2's ``c_attn``, ``nn.TransformerEncoderLayer``'s ``in_proj_weight`` (its
+    heads folded into the batch dim for attention) and Phi-3's ``qkv_proj`` (q, then
+    k and v of 2 key/value heads) and ``gate_up_proj``: packed one part after the
+    other, split part by part, so that no matmul makes a packed weight's whole
+    features."""
     if family == "encoder":
         src = torch.randn(8, SEQ, 32, generator=torch.Generator().manual_seed(0))
         pipe, report, clocks = audited_on_2_2_2(EncoderStack(), src=src)
         whole = [3 * 32]
     else:
-        ids = tokens(8, SEQ, VOCAB if family == "gpt2" else 128)
-        model = gpt2(4, dropout=0.0, vocab=VOCAB) if family == "gpt2" else phi3(4)
-        pipe, report, clocks = audited_on_2_2_2(model, input_ids=ids, labels=ids)
-        whole = [3 * 32] if family == "gpt2" else [2 * 64]  # not qkv_proj's 64: each device's gate_up_proj makes 64
+        make, vocab, whole = FAMILIES[family]
+        ids = tokens(8, SEQ, vocab)
+        pipe, report, clocks = audited_on_2_2_2(make(), input_ids=ids, labels=ids)
     assert all(two_reductions_a_block(clock) for clock in clocks), report
     assert [dots_with_features(report, features) for features in whole] == [0] * len(whole)
     if family != "encoder":  # the encoder stack's last layer runs after the stacked body, whole over "tensor"
         assert heads_per_device(report) == 2
-    assert pipe.runner.body.parts
 
 
 @pytest.mark.full  # the quick tier checks which weights stay whole in tests/test_layout.py

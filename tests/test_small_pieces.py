@@ -184,6 +184,33 @@ def test_tensors_tied_to_an_anchor_keep_their_values_and_wait_for_their_own_row_
     assert torch.equal(tied_state[0], state[0]) and tied_state[1].isnan().all()
 
 
+def test_values_read_after_an_anchor_keep_their_values_and_dtypes_whatever_the_anchor_holds():
+    """``xpipe.spmd.ordering.read_after``: floats, integers (labels) and bools keep their
+    values and dtypes, a non-finite anchor included; the float's gradient passes."""
+    from xpipe.spmd.ordering import read_after
+
+    hidden = torch.randn(3, requires_grad=True)
+    labels, mask = torch.tensor([3, -100, 7]), torch.tensor([True, False, True])
+    for anchor in (torch.randn(2, 4), torch.full((2, 4), float("nan")), torch.full((2, 4), float("inf"))):
+        tied = read_after({"hidden": hidden, "labels": labels, "mask": mask, "flag": None}, anchor)
+        assert tied["flag"] is None
+        for name, value in (("hidden", hidden), ("labels", labels), ("mask", mask)):
+            assert tied[name].dtype == value.dtype and torch.equal(tied[name], value), name
+    tied["hidden"].sum().backward()
+    assert torch.equal(hidden.grad, torch.ones(3))
+
+
+def test_a_tensor_behind_an_anchor_keeps_its_values_and_hands_the_anchor_a_zero_gradient():
+    """``xpipe.spmd.ordering.behind``: element by element, broadcast; the anchor's
+    gradient is made from the tensor's (so that in the backward it comes after), zero."""
+    from xpipe.spmd.ordering import behind
+
+    x, anchor = torch.randn(2, 3, 4, requires_grad=True), torch.randn(2, 1, 4, requires_grad=True)
+    tied = behind(x, anchor)
+    assert torch.equal(tied, x)
+    tied.sum().backward()
+    assert torch.equal(x.grad, torch.ones_like(x)) and torch.equal(anchor.grad, torch.zeros_like(anchor))
+
 def test_the_profile_counts_attention_probabilities_however_attention_is_called(monkeypatch):
     """What a layer saves counts each attention call's ``[..., queries, keys]``
     probabilities beside what torch saved (XLA keeps them; torch's fused CPU kernel does

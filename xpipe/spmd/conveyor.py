@@ -47,6 +47,7 @@ import torch
 from xpipe.collectives import rotate, shift
 from xpipe.layout import microbatch_slots
 from xpipe.schedule import FORWARD, Schedule
+from xpipe.spmd.ordering import behind
 
 
 @dataclass(frozen=True)
@@ -206,7 +207,8 @@ def make_tick(stages: int, replicas: int, run_stages: StageFn, ring: bool = Fals
         previous = next_stage(state, 1, ring)
         entering_now = torch.where(from_ring > 0, previous, entering)
         state = run_stages(weights, valid, torch.where(first, entering_now, previous), rounds, keys)
-        moved = next_stage(torch.stack([entering, leaving], 1), -1)  # both columns, one permute
+        columns = behind(torch.stack([entering, leaving], 1), state.unsqueeze(1))  # both columns, one permute,
+        moved = next_stage(columns, -1)  # ordered with the blocks' collectives
         leaving = torch.where(last, state, moved[:, 1])
         buffer = torch.where(read_mask > 0, moved[:, 0].unsqueeze(1), buffer)
         buffer = torch.where(write_mask > 0, leaving.unsqueeze(1), buffer)

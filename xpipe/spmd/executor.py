@@ -45,7 +45,7 @@ from xpipe.schedule import Schedule
 from xpipe.spmd.conveyor import SlotLayout, column_tables, from_slots, slot_layout, make_tick, to_slots
 from xpipe.spmd.dropout import cell_keys, hashed_dropout
 from xpipe.spmd.lowering import ShardableOps
-from xpipe.spmd.ordering import after_gradient, fenced, tied_to
+from xpipe.spmd.ordering import after_gradient, behind, fenced, read_after, tied_to
 from xpipe.spmd.placement import Placement
 from xpipe.spmd.segmented_loss import LossOverSegments
 from xpipe.spmd.sides import Packing, packing_for
@@ -170,6 +170,7 @@ class SpmdPipeline(nn.Module):
         finished = self._run_clocks(self.placement.conveyed(slots), layout, packing, constants)
         finished, (skips, post_weights) = fenced(finished, after)  # and what follows it starts when it ends
         finished = self.placement.whole_rows(finished)
+        skips = read_after(skips, finished)  # what the layers after it reduce of the inputs too (labels)
         finished = from_slots(packing.stream(finished.reshape(layout.padded_batch, -1)), layout, microbatched)
         with ShardableOps(), self.batch_norm.updating(), self.loss_over_segments:
             output = functional_call(self.post, post_weights, (finished, *skips))
@@ -247,7 +248,8 @@ class SpmdPipeline(nn.Module):
     @staticmethod
     def _recomputed_stages(run: Callable, weights: tuple[torch.Tensor, ...], valid: torch.Tensor,
                            state: torch.Tensor, rounds: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-        return recompute(lambda v, s, r, k, *w: run(w, v, s, r, k), valid, state, rounds, keys, *weights)
+        return recompute(lambda v, s, r, k, *w: run(w, v, s, r, k), valid, state, rounds, keys, *weights,
+                         fence=_stream_after_gradient)
 
     def _run_one_stage(self, packing: Packing, weights: tuple[torch.Tensor, ...], valid: torch.Tensor,
                        x: torch.Tensor, round_: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
@@ -355,3 +357,12 @@ def _differentiable(constant: torch.Tensor) -> torch.Tensor:
     the small values :func:`xpipe.spmd.stacking._check_alike` lets through; a bool
     one (a causal mask held once) as float32 0 and 1."""
     return constant if constant.is_floating_point() else constant.to(torch.float32)
+
+
+def _stream_after_gradient(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """A recomputed clock's kept tensors (``valid``, the stream, ...) and the gradient of
+    its output (last), the stream tied to that gradient (:func:`xpipe.spmd.ordering.behind`;
+    the same layout, so nothing moves): the recomputation's collectives then run after
+    the conveyor's permute that brings the gradient, never beside it."""
+    valid, stream, *rest, gradient = tensors
+    return [valid, behind(stream, gradient), *rest, gradient]

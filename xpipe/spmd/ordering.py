@@ -73,6 +73,50 @@ def tied_to(tensors: list[torch.Tensor], anchor: torch.Tensor) -> list[torch.Ten
     return [t + tie.to(t.dtype).view(-1, *[1] * (t.dim() - 1)) if t.is_floating_point() else t for t in tensors]
 
 
+def behind(x: torch.Tensor, anchor: torch.Tensor) -> torch.Tensor:
+    """``x``, tied to ``anchor`` element by element both ways: nothing computed from it
+    starts before ``anchor`` exists, and ``anchor``'s gradient, to which the tie adds
+    zero, is not complete before ``x``'s is. ``anchor`` broadcasts against ``x`` in the
+    layout ``x`` has, so the tie moves nothing between devices.
+
+    In a clock loop's body two collectives that no data orders may start in another
+    order on each device of XLA's CPU runtime, and it can deadlock (gdb on an aborted
+    run: devices waiting in the loop's collective-permute, others in an all-reduce).
+    The conveyor's permute of the slot buffer's columns reads nothing the blocks make;
+    behind the stage's output it runs after the blocks' collectives, and in the
+    backward its gradient's before theirs. In the bfloat16 Llama step of
+    ``tests/spmd/test_fsdp.py`` (2 x 2 x 2) the pairs of collectives no data orders in
+    a loop body fell from 18 to 6 forward, and from 34 to 16 in the recomputing
+    backward with its recomputation behind the gradient; the rest are attention's
+    gathers of q, k and v, and the conveyor's gathers.
+    """
+    return x + anchor * 0
+
+
+def read_after(values: Any, anchor: torch.Tensor) -> Any:
+    """``values`` (a pytree; what is not a tensor passes as it is), each tensor made to
+    depend by data on ``anchor``'s first element, so that nothing computed from them,
+    collectives included, starts before ``anchor`` exists. Each keeps its values: the
+    tie adds a zero made from that element (zero too where the element is not finite),
+    in the tensor's dtype, or or-s a bool tensor with False. XLA brings the element to
+    every device with one all-reduce of one number, itself after ``anchor``.
+
+    The optimization barrier of :func:`fenced` does not hold what the layers after the
+    body read from the step's inputs: in the optimized HLO of the bfloat16 Llama step
+    of ``tests/spmd/test_fsdp.py`` (2 x 2 x 2) no barrier is left, and the loss's
+    reductions of its count of labels read the labels' parameter, free to run beside
+    the clock loops. With Llama's q, k and v joined (:mod:`xpipe.joined_projections`)
+    that test, two runs at once, aborted 9 times in 39 (devices waiting in the loop's
+    collective-permute, one to three in an all-reduce); with the labels read after
+    the body's output, 0 times in 28 (0 in 16 at the commit before the join).
+    """
+    zero = torch.nan_to_num(anchor.detach().flatten()[0] * 0, nan=0.0, posinf=0.0, neginf=0.0)
+    leaves, spec = tree_flatten(values)
+    tied = [leaf | zero.bool() if isinstance(leaf, torch.Tensor) and leaf.dtype == torch.bool
+            else leaf + zero.to(leaf.dtype) if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
+    return tree_unflatten(tied, spec)
+
+
 def after_gradient(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     """``tensors[:-1]`` tied to ``tensors[-1]`` (:func:`tied_to`), a gradient, then that
     gradient: a recomputation fed by them (:func:`xpipe.recompute.recompute`'s

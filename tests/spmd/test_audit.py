@@ -471,7 +471,7 @@ def dots_with_features(report, features: int) -> int:
     return len(re.findall(rf"= \w+\[(?:\d+,)*{features}\]\{{[\d,]*\}} dot\(", Path(report.program).read_text()))
 
 
-FAMILIES = {  # each family's test model and its inputs, and the features no matmul may make whole
+FAMILIES = {  # each family's test model, its vocabulary, and the features no matmul may make whole
     "llama": (lambda: llama(4, vocab=VOCAB), VOCAB, []),
     "gpt_neox": (lambda: gpt_neox(4, vocab=VOCAB), VOCAB, []),
     "gpt2": (lambda: gpt2(4, dropout=0.0, vocab=VOCAB), VOCAB, [3 * 32]),
@@ -495,12 +495,12 @@ def test_blocks_run_megatrons_collectives_per_clock(family):
     features."""
     if family == "encoder":
         src = torch.randn(8, SEQ, 32, generator=torch.Generator().manual_seed(0))
-        pipe, report, clocks = audited_on_2_2_2(EncoderStack(), src=src)
+        _, report, clocks = audited_on_2_2_2(EncoderStack(), src=src)
         whole = [3 * 32]
     else:
         make, vocab, whole = FAMILIES[family]
         ids = tokens(8, SEQ, vocab)
-        pipe, report, clocks = audited_on_2_2_2(make(), input_ids=ids, labels=ids)
+        _, report, clocks = audited_on_2_2_2(make(), input_ids=ids, labels=ids)
     assert all(two_reductions_a_block(clock) for clock in clocks), report
     assert [dots_with_features(report, features) for features in whole] == [0] * len(whole)
     if family != "encoder":  # the encoder stack's last layer runs after the stacked body, whole over "tensor"

@@ -75,3 +75,25 @@ def test_joined_weights_hold_each_devices_share_of_every_weight_in_turn():
     half then k's; device 1's the second halves."""
     q, k = torch.arange(4).view(4, 1), torch.arange(4, 6).view(2, 1)
     assert joined([q, k], 2).flatten().tolist() == [0, 1, 4, 2, 3, 5]
+
+
+def test_a_bias_given_by_name_is_joined_not_dropped():
+    """``aten.linear`` with its bias as a keyword: the joined linear adds it too (to
+    float32 rounding: the joined matmul's sums run in another order here; a dropped
+    bias would be off by the bias, about 0.1)."""
+    class TwoHeads(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.q, self.k = torch.nn.Linear(6, 4), torch.nn.Linear(6, 4)
+
+        def forward(self, x):
+            return torch.ops.aten.linear.default(x, self.q.weight, bias=self.q.bias) * \
+                torch.ops.aten.linear.default(x, self.k.weight, bias=self.k.bias)
+
+    block = torch.fx.symbolic_trace(TwoHeads())
+    dims = {name: 0 for name, _ in block.named_parameters()}
+    joined_block, groups = join_column_parallel(block, dims, 2)
+    assert groups == [("q.weight", "k.weight")]
+    x = torch.randn(3, 6)
+    with torch.no_grad():
+        torch.testing.assert_close(joined_block(x), block(x), rtol=1e-5, atol=1e-6)

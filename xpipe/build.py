@@ -149,9 +149,10 @@ def build_spmd(capture: ModelCapture, options: Options) -> Built:
     names = [name for name, _ in stacked.blocks[0].named_parameters()]
     splits = block_tensor_splits(capture, tensor, options.tensor_rules)
     template, packed, dims = split_packed_weights(capture, splits, tensor, options.tensor_rules)
+    dim_of = dict(zip(names, dims))
     if tensor > 1:  # the backward then reduces the input gradient of each group of them once
-        template, _ = join_column_parallel(template, dict(zip(names, dims)), tensor)
-    check_convolutions(stacked.blocks[0], dict(zip(names, dims)))
+        template, _ = join_column_parallel(template, dim_of, tensor)
+    check_convolutions(stacked.blocks[0], dim_of)
     mesh = options.mesh if options.mesh is not None else make_mesh(stages)  # the process enters SPMD mode here
     device = spmd_device()
     rebind(module, move_keeping_ties([stacked.pre, stacked.post], device))

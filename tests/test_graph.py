@@ -35,6 +35,9 @@ def test_sample_input_gives_shapes_flops_and_activations():
     # qkv, proj, up, down matmuls: 2 * tokens * (3w*w + w*w + 4w*w + 4w*w) plus attention.
     assert block["flops"] >= 2 * 32 * (12 * 32 * 32)
     assert block["activation_bytes"] > block["out_bytes"]
+    widths = dict(block["activation_bytes_by_width"])  # the saved bytes by their last dim
+    assert widths[32] >= block["out_bytes"] and widths[4 * 32] > 0  # the stream's width, the MLP's
+    assert sum(widths.values()) <= block["activation_bytes"]  # and attention's probabilities
     edge = graph.edges["blocks.0", "blocks.1"]
     assert edge["tensors"] == [{"name": "blocks_0", "shape": (2, 16, 32), "dtype": "float32", "bytes": 4096}]
     assert edge["bytes"] == 4096

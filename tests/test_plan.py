@@ -18,7 +18,7 @@ from xpipe.layout import LOSS_SEGMENTS_FROM, MeshAxes, sequence_segments
 from xpipe.memory import per_device
 from xpipe.plan_cli import main
 from xpipe.planner import GiB, Layout, predict, preset
-from xpipe.profile import profile_of_config, profile_of_model
+from xpipe.profile import WHOLE_STREAMS, profile_of_config, profile_of_model
 from xpipe.recompute import first_kept_clock
 from xpipe.schedule import gpipe
 from xpipe.tensor_rules import Packed
@@ -74,6 +74,28 @@ def test_a_layouts_weights_are_the_memory_models_and_its_bubble_the_schedules_ta
     assert prediction.bubble == gpipe(2, 4).bubble_fraction
     assert prediction.communication["stage"] > 0 and prediction.communication["tensor"] > 0
     assert prediction.communication["data"] == 0, "no data axis, nothing reduced over it"
+
+
+def test_what_a_block_saves_as_wide_as_the_stream_is_planned_whole_on_every_tensor_device():
+    """Megatron's layout without sequence parallelism (docs/scaling.md): the block's saved
+    tensors as wide as the stream, at most ``WHOLE_STREAMS`` of them (a Llama block
+    measured saves 12 in eager PyTorch), are whole on every tensor device; the rest
+    is split over "tensor". So a block whose stream-wide share is all it saves is
+    planned as one saving twice as much, all of it split, on 2 tensor devices."""
+    profile = profile_of_model(llama(4), {"input_ids": tokens(2, 8)})
+    assert profile.block_stream_saved_bytes_per_row == WHOLE_STREAMS * profile.hidden_bytes_per_row
+    assert profile.block_saved_bytes_per_row > 2 * profile.block_stream_saved_bytes_per_row
+    saved = profile.block_saved_bytes_per_row
+
+    def activations(stream_saved: float, block_saved: float, tensor: int) -> int:
+        layout = Layout(stages=2, data=1, fsdp=1, tensor=tensor, chunks=4, checkpoint="never")
+        planned = dataclasses.replace(profile, block_stream_saved_bytes_per_row=stream_saved,
+                                      block_saved_bytes_per_row=block_saved)
+        return predict(planned, layout, chip=preset("v5e"), batch=16).memory["activations"]
+
+    assert activations(saved, saved, 2) == activations(0.0, 2 * saved, 2)
+    assert activations(saved, saved, 2) > activations(0.0, saved, 2)
+    assert activations(saved, saved, 1) == activations(0.0, saved, 1)
 
 
 def test_the_loss_over_sequence_segments_is_planned_a_segment_of_logits_and_a_float32_head_gradient():

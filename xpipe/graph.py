@@ -15,7 +15,9 @@ Node attributes (layers):
     params, param_bytes: parameters the layer uses;
     signature: structural fingerprint (type, parameter shapes, traced code);
     and, when a sample input was given, out_shape, out_dtype, out_bytes,
-    flops (forward), activation_bytes (saved for backward), time_s (if timed).
+    flops (forward), activation_bytes (saved for backward), time_s (if timed),
+    activation_bytes_by_width ((last dim, bytes) pairs of what it saves for backward:
+    the planner counts what is as wide as the stream whole over "tensor").
 Edge attributes: tensors (list of dicts with name, shape, dtype, bytes), bytes.
 Graph attributes: layers (layer names in execution order), model (class name),
 inputs (input node names), annotated (whether a sample input was run).
@@ -27,7 +29,7 @@ import contextlib
 import hashlib
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import networkx as nx
@@ -185,7 +187,7 @@ class _Profiler(torch.fx.Interpreter):
         self.records: dict[torch.fx.Node, dict[str, Any]] = {}
 
     def run_node(self, node: torch.fx.Node) -> Any:
-        saved: dict[int, int] = {}
+        saved: dict[int, tuple[int, int]] = {}
         with FlopCounterMode(display=False) as flops, _count_saved(saved, self.weights), \
                 _AttentionProbabilities() as attention:
             start = time.perf_counter()
@@ -194,7 +196,8 @@ class _Profiler(torch.fx.Interpreter):
         self.records[node] = {
             "value": value,
             "flops": flops.get_total_flops(),
-            "activation_bytes": sum(saved.values()) + attention.bytes,
+            "activation_bytes": sum(size for size, _ in saved.values()) + attention.bytes,
+            "activation_bytes_by_width": _by_width((width, size) for size, width in saved.values()),
             "time_s": elapsed,
         }
         return value
@@ -220,9 +223,18 @@ class _AttentionProbabilities(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
+def _by_width(pairs: Iterable[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
+    """``(last dim, bytes)`` pairs added up by last dim, sorted by it."""
+    totals: dict[int, int] = {}
+    for width, size in pairs:
+        totals[width] = totals.get(width, 0) + size
+    return tuple(sorted(totals.items()))
+
+
 @contextlib.contextmanager
-def _count_saved(saved: dict[int, int], weights: set[int]) -> Iterator[None]:
-    """Record the bytes of every activation autograd saves for backward, by storage.
+def _count_saved(saved: dict[int, tuple[int, int]], weights: set[int]) -> Iterator[None]:
+    """Record the bytes of every activation autograd saves for backward, and the last
+    dim of the tensor it was first saved as, by storage.
 
     Storages in ``weights`` (the model's parameters) are not activations. What is
     kept is a detached alias: the saved tensor itself (a node's own output, say)
@@ -234,7 +246,7 @@ def _count_saved(saved: dict[int, int], weights: set[int]) -> Iterator[None]:
     def pack(tensor: torch.Tensor) -> torch.Tensor:
         storage = tensor.untyped_storage()
         if storage.data_ptr() not in weights:
-            saved[storage.data_ptr()] = storage.nbytes()
+            saved.setdefault(storage.data_ptr(), (storage.nbytes(), tensor.shape[-1] if tensor.dim() else 1))
         return tensor.detach()
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
@@ -318,11 +330,15 @@ def _annotate(
         described = _describe(records[node]["value"])
         graph.nodes[name].update(out_shape=described["shape"], out_dtype=described["dtype"],
                                  out_bytes=described["bytes"])
+    widths: dict[str, list[tuple[int, int]]] = {name: [] for name in graph.graph["layers"]}
     for node, record in records.items():
         if node in layer_of:
             attributes = graph.nodes[layer_of[node]]
             for key in measures:
                 attributes[key] += record[key]
+            widths[layer_of[node]] += record["activation_bytes_by_width"]
+    for name, pairs in widths.items():
+        graph.nodes[name]["activation_bytes_by_width"] = _by_width(pairs)
     for _, _, edge in graph.edges(data=True):
         for tensor in edge["tensors"]:
             tensor.update(_describe(records[by_name[tensor["name"]]]["value"]))

@@ -25,7 +25,7 @@ from xpipe.graph import OUTPUT, layer_names, module_graph
 
 COSTS = ("params", "flops", "time", "memory")
 _UNITS = {"params": "", "flops": "FLOP", "time": "s", "memory": "B"}
-_TUPLE_KEYS = {"shape", "out_shape", "per_stage"}  # fields that JSON turns into lists
+_TUPLE_KEYS = {"shape", "out_shape", "per_stage", "activation_bytes_by_width"}  # fields that JSON turns into lists
 
 
 @dataclass(frozen=True)

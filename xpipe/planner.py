@@ -344,7 +344,9 @@ def _activation_bytes(profile: ModelProfile, layout: Layout, schedule: Schedule,
     body on the device's rows."""
     stream = rows * profile.stream_bytes_per_row
     conveyed = stream / layout.tensor  # each tensor device carries its share between stages (Packing.ways)
-    block = rows * profile.block_saved_bytes_per_row / layout.tensor  # what one block saves for one microbatch
+    # What one block saves for one microbatch: what is as wide as the stream whole, the rest split.
+    whole = profile.block_stream_saved_bytes_per_row
+    block = rows * (whole + (profile.block_saved_bytes_per_row - whole) / layout.tensor)
     cell = depth * block  # one stage's blocks
     # What a recomputed cell keeps: its input as the conveyor holds it, or per block (each slot
     # recomputed on its own) every block's input, whole. Gathered per block, the backward recomputes

@@ -30,6 +30,14 @@ from xpipe.tensor_rules import (Packed, Rules, key_value_heads_of, query_head_co
                                 with_shared_key_values)
 
 
+# How many stream-wide tensors a block keeps whole over "tensor" for its backward, as
+# Megatron counts them without sequence parallelism (Korthikanti et al., 2022, "Reducing
+# Activation Recomputation in Large Transformer Models", section 4.1): the two norms' inputs
+# and the attention's and the MLP's inputs. Eager PyTorch saves more stream-wide tensors
+# (an RMSNorm's intermediates: twelve in all for Llama's block), which XLA fuses away.
+WHOLE_STREAMS = 4
+
+
 @dataclass(frozen=True)
 class ModelProfile:
     """A model as the planner sees it. Bytes per row are in the dtype of ``itemsize``."""
@@ -45,6 +53,9 @@ class ModelProfile:
     block_saved_bytes_per_row: float  # what one block keeps for its backward
     outer_saved_bytes_per_row: float  # what the layers around the blocks keep (the logits)
     itemsize: int  # bytes per element the above were counted in
+    # Of what one block keeps, what is whole on every tensor device (Megatron's layout without
+    # sequence parallelism): the tensors as wide as the stream, at most WHOLE_STREAMS of them.
+    block_stream_saved_bytes_per_row: float = 0.0
     heads: tuple[int, ...] = ()  # the query head counts a tensor size must divide
     key_value_heads: int | None = None  # config.num_key_value_heads, where the model has one
     tokens_per_row: int = 0  # a row's sequence length, where known (a config's), for the loss's segments
@@ -81,6 +92,7 @@ class ModelProfile:
         return dataclasses.replace(self, stream_bytes_per_row=self.stream_bytes_per_row * ratio,
                                    hidden_bytes_per_row=self.hidden_bytes_per_row * ratio,
                                    block_saved_bytes_per_row=self.block_saved_bytes_per_row * ratio,
+                                   block_stream_saved_bytes_per_row=self.block_stream_saved_bytes_per_row * ratio,
                                    outer_saved_bytes_per_row=self.outer_saved_bytes_per_row * ratio,
                                    itemsize=itemsize)
 
@@ -119,9 +131,12 @@ def profile_of_model(model: nn.Module, sample_input: Any) -> ModelProfile:
     except ValueError:  # the spmd executor cannot stack it: what crosses into the body, as measured
         stacked = None
     if stacked is not None:
-        stream_bytes, hidden_bytes = _packed_row_bytes(stacked, sample_input)
+        stream_bytes, hidden_bytes, width = _stream_measures(stacked, sample_input)
     else:
         stream_bytes = hidden_bytes = entry_bytes(graph)[repeated.start] / rows
+        width = None  # unknown: every saved tensor is planned split over "tensor"
+    block_stream_saved = min(sum(dict(graph.nodes[layer].get("activation_bytes_by_width", ())).get(width, 0)
+                                 for layer in block_layers), WHOLE_STREAMS * hidden_bytes * rows)
     return ModelProfile(
         name=type(model).__name__, blocks=repeated.count,
         block_weights=tuple((name, tuple(p.shape)) for name, p in block_params),
@@ -130,20 +145,23 @@ def profile_of_model(model: nn.Module, sample_input: Any) -> ModelProfile:
         outer_flops_per_row=(total_flops - repeated.count * block_flops) / rows,
         stream_bytes_per_row=stream_bytes,
         hidden_bytes_per_row=hidden_bytes,
-        block_saved_bytes_per_row=block_saved / rows, outer_saved_bytes_per_row=outer_saved / rows,
+        block_saved_bytes_per_row=block_saved / rows, block_stream_saved_bytes_per_row=block_stream_saved / rows,
+        outer_saved_bytes_per_row=outer_saved / rows,
         itemsize=itemsize, heads=tuple(sorted(set(query_head_counts(model).values()))),
         key_value_heads=key_value_heads_of(model),
         read_tensor_dims=_read_tensor_dims(stacked, sample_input, [name for name, _ in block_params]))
 
 
-def _packed_row_bytes(stacked: StackedModel, sample_input: Any) -> tuple[float, float]:
+def _stream_measures(stacked: StackedModel, sample_input: Any) -> tuple[float, float, int]:
     """Bytes per row of what travels into each block as the spmd executor packs it (the
     stream and every side input with a row per batch row, a padding mask's ``[1, s, s]``
-    among them, in the stream's dtype), and of the stream alone."""
+    among them, in the stream's dtype), of the stream alone, and the stream's width
+    (its last dim)."""
     stream, *sides = block_inputs(stacked, sample_input)
     per_row = [side for side, rows in zip(sides, stacked.side_rows) if rows]
     itemsize = stream.element_size()
-    return sum(piece[0].numel() for piece in (stream, *per_row)) * itemsize, stream[0].numel() * itemsize
+    return (sum(piece[0].numel() for piece in (stream, *per_row)) * itemsize, stream[0].numel() * itemsize,
+            stream.shape[-1])
 
 
 def _read_tensor_dims(stacked: StackedModel | None, sample_input: Any,
@@ -213,6 +231,7 @@ def profile_of_config(config: Any, seq: int, itemsize: int = 2, padding_mask: bo
         stream_bytes_per_row=seq * (hidden + (seq if padding_mask else 0)) * itemsize,
         hidden_bytes_per_row=seq * hidden * itemsize,
         block_saved_bytes_per_row=saved_elements * itemsize,
+        block_stream_saved_bytes_per_row=WHOLE_STREAMS * seq * hidden * itemsize,
         # The logits in the model's dtype, their float32 copy for the loss, and its gradient.
         outer_saved_bytes_per_row=seq * vocab * (itemsize + 8), itemsize=itemsize,
         heads=(heads,), key_value_heads=kv_heads, tokens_per_row=seq)

@@ -8,8 +8,8 @@ import torch
 from transformers import (BertConfig, BertForMaskedLM, FalconConfig, FalconForCausalLM, Gemma2Config,
                           Gemma2ForCausalLM, GPT2Config, GPT2LMHeadModel, GPTNeoXConfig, GPTNeoXForCausalLM,
                           LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM, OPTConfig, OPTForCausalLM,
-                          Phi3Config, Phi3ForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM, T5Config,
-                          T5ForConditionalGeneration)
+                          Phi3Config, Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen2MoeConfig,
+                          Qwen2MoeForCausalLM, T5Config, T5ForConditionalGeneration)
 
 
 class Output(NamedTuple):
@@ -116,6 +116,14 @@ def phi3(layers: int = 4) -> Phi3ForCausalLM:
     return Phi3ForCausalLM(Phi3Config(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
                                       pad_token_id=0, bos_token_id=0, eos_token_id=0, use_cache=False))
+
+
+def qwen2(layers: int = 4, vocab: int = 128) -> Qwen2ForCausalLM:
+    """Qwen2: Llama's block with biases on q, k and v (grouped-query attention: 4 heads, 2 key/value heads)."""
+    torch.manual_seed(0)
+    return Qwen2ForCausalLM(Qwen2Config(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+                                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                        tie_word_embeddings=True, use_cache=False))
 
 
 def qwen2_moe(layers: int = 4) -> Qwen2MoeForCausalLM:

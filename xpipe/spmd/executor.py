@@ -241,6 +241,8 @@ class SpmdPipeline(nn.Module):
     def _run_stages(self, packing: Packing, weights: tuple[torch.Tensor, ...], valid: torch.Tensor,
                     state: torch.Tensor, rounds: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
         """All stages on all data replicas at once: ``[S * D, rows, F] -> same``."""
+        count = len(self.body.names)
+        weights = (*self.placement.pinned_body(weights[:count], self.body.dims), *weights[count:])
         state = self.placement.from_conveyor(state)
         return self.placement.to_conveyor(torch.vmap(partial(self._run_one_stage, packing))(weights, valid, state,
                                                                                            rounds, keys))

@@ -137,6 +137,23 @@ class Placement:
             spec[-1] = "tensor"
         return self.annotated(copies, tuple(spec))
 
+    def pinned_body(self, weights: tuple[torch.Tensor, ...], dims: list[int | None]) -> tuple[torch.Tensor, ...]:
+        """Inside the clock loop, with "tensor": the body's weights (``[S * P, V * K, numel]``,
+        ``dims`` each one's split dim or None) held as they entered the loop
+        (:meth:`gathered_body`), and their gradients too.
+
+        Unpinned, XLA's propagation chose how the loop holds them from what the block
+        suggests, and in blocks with biases or LayerNorms (Qwen2, OPT, BERT, Qwen2-MoE)
+        it split the norms' weights by features, and with them the stream inside the
+        block: each clock then gathered the activation or reduced norm statistics
+        around most operations, where Megatron runs two all-reduces a block each way.
+        """
+        if self.axes.tensor == 1:
+            return weights
+        return tuple(xs.mark_sharding_with_gradients(w, self.mesh, (self.batch_axes, None,
+                                                                    "tensor" if dim is not None else None))
+                     for w, dim in zip(weights, dims))
+
     def resting_body(self, per_stage: torch.Tensor, *, split: bool = False) -> torch.Tensor:
         """``[S, V * K, numel] -> [S * P, V * K, parts, c]``: each row group's own copy of
         its resting shard, for gathering one block slot at a time inside the clock loop

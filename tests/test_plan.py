@@ -250,14 +250,15 @@ def test_a_mixture_of_experts_block_saves_every_experts_activations():
 def test_a_model_no_rule_names_is_planned_on_tensor_meshes_with_the_splits_its_graph_tells():
     """xpipe's own LM names its linears ``qkv``, ``proj``, ``up``, ``down``: its profile
     carries the splits read from its block's graph, so tensor layouts are planned,
-    the packed ``qkv`` read as packed and planned whole (``ModelProfile.tensor_dims``)."""
+    the packed ``qkv`` read as packed and planned split, as ``Pipe`` splits it part by
+    part (``ModelProfile.tensor_dims``)."""
     from xpipe.models import transformer_lm
 
     model = transformer_lm(blocks=4, width=32, heads=4, seq=8, vocab=64)
     profile = profile_of_model(model, torch.zeros(2, 8, dtype=torch.long))
     assert dict(profile.read_tensor_dims)["blocks.0.qkv.weight"] == Packed(0)
     dims = dict(zip([name for name, _ in profile.block_weights], profile.tensor_dims(2)))
-    assert dims["blocks.0.qkv.weight"] is None
+    assert dims["blocks.0.qkv.weight"] == 0
     assert dict(profile.read_tensor_dims)["blocks.0.up.weight"] == 0
     result = xpipe.plan(profile, devices=8, batch=16)
     assert any(p.layout.tensor > 1 for p in result.fitting)

@@ -14,7 +14,7 @@ from xpipe.recompute import check_mode, recompute
 from xpipe.collectives import shift
 from xpipe.inspect import CommunicationReport, collectives, loop_trips
 from xpipe.spmd.dropout import hashed_dropout
-from xpipe.spmd.lowering import ShardableOps, layer_norm
+from xpipe.spmd.lowering import ShardableOps, heads_leading_attention, layer_norm
 from xpipe.spmd.sides import packing_for
 
 
@@ -60,6 +60,38 @@ def test_layer_norm_rewrite_matches_torch_and_is_used_in_the_mode():
     ops = {str(node.target) for node in make_fx(normalise)(x).graph.nodes}
     assert not any("layer_norm" in op for op in ops) and "aten.rsqrt.default" in ops
     torch.testing.assert_close(normalise(x), norm(x), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("mask", ["none", "causal", "per_row", "per_head", "bool", "gqa"])
+def test_attention_run_heads_first_matches_torch_and_its_gradients(mask):
+    """``heads_leading_attention`` (attention on ``[heads, rows, ...]``, so that under
+    vmap the heads split over "tensor" lead the fold) is torch's attention: a mask per
+    row, per head, boolean, causal, and grouped-query key/value heads; inside the mode
+    (as the clock loop runs blocks), and through the hashed dropout's ``p = 0`` path."""
+    generator = torch.Generator().manual_seed(0)
+    query = torch.randn(3, 4, 5, 8, generator=generator, requires_grad=True)
+    heads = 2 if mask == "gqa" else 4
+    key, value = (torch.randn(3, heads, 5, 8, generator=generator, requires_grad=True) for _ in range(2))
+    masks = {"per_row": torch.randn(3, 1, 5, 5, generator=generator), "per_head": torch.randn(3, 4, 5, 5),
+             "bool": torch.rand(3, 1, 5, 5, generator=generator) > 0.3}
+    kwargs = {"attn_mask": masks.get(mask), "is_causal": mask == "causal", "enable_gqa": mask == "gqa"}
+
+    def attend(attention):
+        out = attention(query, key, value, **kwargs)
+        grads = torch.autograd.grad(out.square().sum(), (query, key, value))
+        return out, *grads
+
+    def in_the_loops_mode(*args, **kw):
+        with ShardableOps(), hashed_dropout(torch.tensor(0, dtype=torch.int32), 0):
+            return F.scaled_dot_product_attention(*args, **kw)
+
+    expected = attend(F.scaled_dot_product_attention)
+    for got in (attend(heads_leading_attention), attend(in_the_loops_mode)):
+        for a, b in zip(got, expected):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    traced = make_fx(lambda q, k, v: in_the_loops_mode(q, k, v, **kwargs))(query, key, value)
+    ops = {str(node.target) for node in traced.graph.nodes}
+    assert "aten.transpose.int" in ops
 
 
 HLO = """

@@ -70,15 +70,12 @@ class ModelProfile:
         (:func:`xpipe.tensor_rules.tensor_splits`, whose ``ValueError`` it raises).
 
         A packed weight (:class:`xpipe.tensor_rules.Packed`), which Pipe splits part by
-        part, is planned whole: with more than one row a microbatch on a device, XLA
-        gathers attention's q, k and v every clock (docs/scaling.md, "Not done"), which
-        the plan does not count, and planned split the step's peak was 17% above the
-        plan (GPT-2 on 2 x 1 x 4, four rows a microbatch); planned whole, the weights'
-        share makes up for it."""
+        part, is planned split along its packed dim: each device holds its share of
+        every part."""
         names, shapes = zip(*self.block_weights)
         rules = with_shared_key_values(rules, self.key_value_heads, tensor)
         splits = tensor_splits(names, shapes, tensor, rules, dict(self.read_tensor_dims))
-        return [None if isinstance(rule, Packed) else rule for rule in splits]
+        return [rule.dim if isinstance(rule, Packed) else rule for rule in splits]
 
     @property
     def parameters(self) -> int:

@@ -217,6 +217,10 @@ def test_tensor_parallel_blocks_reduce_over_tensor_in_the_loop_and_gather_nothin
     activation = 2 * SEQ * 32 * 4
     reductions = [op for op in in_loop if op.kind == "all-reduce"]
     assert reductions and all(op.axes == ("tensor",) and op.bytes == activation for op in reductions), report
+    # Two rows a device: attention runs heads first (xpipe.spmd.lowering.heads_leading_attention), so no clock
+    # gathers q, k or v (each gathered them, 6 all-gathers forward and 2 backward); a clock's only gather is
+    # the conveyor's, of the stage's input (or of its output's gradient), and 2 reductions a block.
+    assert all(loop.count("all-gather") == 1 and loop.count("all-reduce") == 4 for loop in clock_loops), report
     # Each tensor device carries its half of the stream between stages (the state, and the two columns):
     # the permutes of a clock move 3 halves of a microbatch's activation.
     assert all(loop.bytes_of("collective-permute") == 3 * activation // 2 for loop in clock_loops), report

@@ -4,7 +4,9 @@ torch_xla lowers ``layer_norm`` through XLA's batch-norm-training op on a
 ``[1, rows, features]`` reshape; GSPMD does not partition that op, so it gathers
 the whole activation onto every device (seen in the optimized HLO: an all-gather
 per LayerNorm, in every clock of the pipeline loop). Written as means and a
-reciprocal square root, the same arithmetic stays local. The rewrite sits above
+reciprocal square root, the same arithmetic stays local. Attention runs with its
+heads leading (:func:`heads_leading_attention`), so that the heads split over
+"tensor" stay split through vmap's batched matmuls. The rewrites sit above
 autograd, so the backward is made of the same plain ops.
 """
 
@@ -43,5 +45,30 @@ def aten_layer_norm(x: torch.Tensor, normalized_shape, weight=None, bias=None, e
     return layer_norm(x, normalized_shape, weight, bias, eps)
 
 
+_ATTENTION = torch._C._nn.scaled_dot_product_attention  # F.scaled_dot_product_attention, as torch defines it
+
+
+def heads_leading_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                            attn_mask: torch.Tensor | None = None, dropout_p: float = 0.0, is_causal: bool = False,
+                            scale: float | None = None, enable_gqa: bool = False) -> torch.Tensor:
+    """``F.scaled_dot_product_attention`` of ``[rows, heads, seq, dim]`` run on
+    ``[heads, rows, seq, dim]``.
+
+    Under ``torch.vmap`` the batched matmuls fold the leading dims into one, the
+    vmapped one first: ``[replicas, rows, heads]``. With the heads split over
+    "tensor" and more than one row, the rows lie between the two split dims, and XLA
+    cannot keep the split through the fold: it gathered q, k and v onto every device
+    of a tensor group, every clock. Heads first, the split dims lead and stay split.
+    """
+    if query.dim() != 4:
+        return _ATTENTION(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
+                          scale=scale, enable_gqa=enable_gqa)
+    if enable_gqa and key.shape[1] != query.shape[1]:  # the heads dim moves: repeat the key/value heads first
+        key, value = (t.repeat_interleave(query.shape[1] // key.shape[1], 1) for t in (key, value))
+    swapped = [t.transpose(0, 1) if t is not None and t.dim() == 4 else t for t in (query, key, value, attn_mask)]
+    return _ATTENTION(*swapped[:3], attn_mask=swapped[3], dropout_p=dropout_p, is_causal=is_causal,
+                      scale=scale).transpose(0, 1)
+
+
 REWRITES = {F.layer_norm: layer_norm, torch.layer_norm: layer_norm,
-            torch.ops.aten.layer_norm.default: aten_layer_norm}
+            torch.ops.aten.layer_norm.default: aten_layer_norm, _ATTENTION: heads_leading_attention}

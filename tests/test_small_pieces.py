@@ -62,18 +62,21 @@ def test_layer_norm_rewrite_matches_torch_and_is_used_in_the_mode():
     torch.testing.assert_close(normalise(x), norm(x), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("mask", ["none", "causal", "per_row", "per_head", "bool", "gqa"])
+@pytest.mark.parametrize("mask", ["none", "causal", "per_row", "per_head", "per_head_3d", "square", "bool", "gqa"])
 def test_attention_run_heads_first_matches_torch_and_its_gradients(mask):
     """``heads_leading_attention`` (attention on ``[heads, rows, ...]``, so that under
     vmap the heads split over "tensor" lead the fold) is torch's attention: a mask per
-    row, per head, boolean, causal, and grouped-query key/value heads; inside the mode
+    row, per head (4-D, or 3-D broadcast over the rows: as many rows as heads, so that
+    a mask lined up with the wrong dim would go unnoticed but for the values), one
+    square mask, boolean, causal, and grouped-query key/value heads; inside the mode
     (as the clock loop runs blocks), and through the hashed dropout's ``p = 0`` path."""
     generator = torch.Generator().manual_seed(0)
-    query = torch.randn(3, 4, 5, 8, generator=generator, requires_grad=True)
+    query = torch.randn(4, 4, 5, 8, generator=generator, requires_grad=True)
     heads = 2 if mask == "gqa" else 4
-    key, value = (torch.randn(3, heads, 5, 8, generator=generator, requires_grad=True) for _ in range(2))
-    masks = {"per_row": torch.randn(3, 1, 5, 5, generator=generator), "per_head": torch.randn(3, 4, 5, 5),
-             "bool": torch.rand(3, 1, 5, 5, generator=generator) > 0.3}
+    key, value = (torch.randn(4, heads, 5, 8, generator=generator, requires_grad=True) for _ in range(2))
+    masks = {"per_row": torch.randn(4, 1, 5, 5, generator=generator), "per_head": torch.randn(4, 4, 5, 5),
+             "per_head_3d": torch.randn(4, 5, 5, generator=generator), "square": torch.randn(5, 5),
+             "bool": torch.rand(4, 1, 5, 5, generator=generator) > 0.3}
     kwargs = {"attn_mask": masks.get(mask), "is_causal": mask == "causal", "enable_gqa": mask == "gqa"}
 
     def attend(attention):

@@ -65,7 +65,9 @@ def heads_leading_attention(query: torch.Tensor, key: torch.Tensor, value: torch
                           scale=scale, enable_gqa=enable_gqa)
     if enable_gqa and key.shape[1] != query.shape[1]:  # the heads dim moves: repeat the key/value heads first
         key, value = (t.repeat_interleave(query.shape[1] // key.shape[1], 1) for t in (key, value))
-    swapped = [t.transpose(0, 1) if t is not None and t.dim() == 4 else t for t in (query, key, value, attn_mask)]
+    # A mask of fewer dims broadcasts from the right: given its leading 1s first, it lines up as before.
+    swapped = [None if t is None else t.reshape((1,) * (4 - t.dim()) + tuple(t.shape)).transpose(0, 1)
+               for t in (query, key, value, attn_mask)]
     return _ATTENTION(*swapped[:3], attn_mask=swapped[3], dropout_p=dropout_p, is_causal=is_causal,
                       scale=scale).transpose(0, 1)
 

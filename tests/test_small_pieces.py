@@ -92,9 +92,9 @@ def test_attention_run_heads_first_matches_torch_and_its_gradients(mask):
     for got in (attend(heads_leading_attention), attend(in_the_loops_mode)):
         for a, b in zip(got, expected):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
-    traced = make_fx(lambda q, k, v: in_the_loops_mode(q, k, v, **kwargs))(query, key, value)
-    ops = {str(node.target) for node in traced.graph.nodes}
-    assert "aten.transpose.int" in ops
+    if mask == "per_row":  # once: the mode runs attention heads first
+        traced = make_fx(lambda q, k, v: in_the_loops_mode(q, k, v, **kwargs))(query, key, value)
+        assert "aten.transpose.int" in {str(node.target) for node in traced.graph.nodes}
 
 
 HLO = """

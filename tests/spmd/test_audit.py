@@ -32,7 +32,7 @@ import xpipe.inspect
 DUMP = xpipe.inspect.enable_hlo_dump()  # before any XLA tensor: XLA reads its flags once
 
 from equivalence import ATOL, RTOL  # noqa: E402
-from hf_models import (EncoderStack, assert_gradients_match, bert, gpt2, gpt_neox, llama, mixtral, opt,  # noqa: E402
+from hf_models import (EncoderStack, assert_gradients_match, bert, gpt2, gpt_neox, llama, mixtral,  # noqa: E402
                        padding_mask, phi3, qwen2, tokens)
 from pipe_checks import batch_for, loss_of, tiny_lm  # noqa: E402
 from xpipe.models import transformer_lm  # noqa: E402
@@ -481,13 +481,12 @@ FAMILIES = {  # each family's test model, its vocabulary, and the features no ma
     "gpt2": (lambda: gpt2(4, dropout=0.0, vocab=VOCAB), VOCAB, [3 * 32]),
     "phi3": (lambda: phi3(4), 128, [2 * 64]),  # not qkv_proj's 64: each device's gate_up_proj makes 64
     "qwen2": (lambda: qwen2(4, vocab=VOCAB), VOCAB, []),
-    "opt": (lambda: opt(4), 128, []),
     "bert": (lambda: bert(4), 128, []),
 }
 
 
 @pytest.mark.full  # the quick tier reads GPT-2's c_attn split part by part above
-@pytest.mark.parametrize("family", ["llama", "gpt_neox", "gpt2", "encoder", "phi3", "qwen2", "opt", "bert"])
+@pytest.mark.parametrize("family", ["llama", "gpt_neox", "gpt2", "encoder", "phi3", "qwen2", "bert"])
 def test_blocks_run_megatrons_collectives_per_clock(family):
     """Exactly Megatron's collectives over "tensor" in each clock, forward and
     backward, and each device attends with its own 2 heads of 4; the step equals the
@@ -499,7 +498,8 @@ def test_blocks_run_megatrons_collectives_per_clock(family):
     heads folded into the batch dim for attention) and Phi-3's ``qkv_proj`` (q, then
     k and v of 2 key/value heads) and ``gate_up_proj``: packed one part after the
     other, split part by part, so that no matmul makes a packed weight's whole
-    features. Qwen2 (biases on q, k and v), OPT and BERT (LayerNorms, biases): with
+    features. Qwen2 (biases on q, k and v) and BERT (LayerNorms, biases; OPT's block,
+    measured alike in docs/scaling.md, is left out for the suite's time): with
     the body's weights not pinned inside the loop (``Placement.pinned_body``), XLA split
     the stream by features inside their blocks, and their clocks gathered the
     activation and reduced norm statistics (Qwen2 9 all-gathers and 4 reductions of

@@ -26,6 +26,8 @@ from collections.abc import Iterator
 import torch
 import torch.nn.functional as F
 
+from xpipe.spmd.lowering import key_value_heads_repeated
+
 _LOW24 = float(1 << 24)
 _GOLDEN = 0x1E3779B9  # spreads slot numbers over the key space
 
@@ -96,9 +98,8 @@ class _HashedDropout:
         if dropout_p == 0:
             return _ATTENTION(query, key, value, attn_mask=attn_mask, is_causal=is_causal, scale=scale,
                               enable_gqa=enable_gqa)
-        if enable_gqa and key.shape[-3] != query.shape[-3]:
-            repeats = query.shape[-3] // key.shape[-3]
-            key, value = key.repeat_interleave(repeats, -3), value.repeat_interleave(repeats, -3)
+        if enable_gqa:
+            key, value = key_value_heads_repeated(query, key, value)
         scores = query @ key.transpose(-2, -1) * (scale if scale is not None else 1 / math.sqrt(query.shape[-1]))
         if is_causal:
             causal = torch.ones(query.shape[-2], key.shape[-2], dtype=torch.bool, device=query.device).tril()

@@ -63,13 +63,23 @@ def heads_leading_attention(query: torch.Tensor, key: torch.Tensor, value: torch
     if query.dim() != 4:
         return _ATTENTION(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
                           scale=scale, enable_gqa=enable_gqa)
-    if enable_gqa and key.shape[1] != query.shape[1]:  # the heads dim moves: repeat the key/value heads first
-        key, value = (t.repeat_interleave(query.shape[1] // key.shape[1], 1) for t in (key, value))
+    if enable_gqa:  # the heads dim moves: repeat the key/value heads first
+        key, value = key_value_heads_repeated(query, key, value)
     # A mask of fewer dims broadcasts from the right: given its leading 1s first, it lines up as before.
     swapped = [None if t is None else t.reshape((1,) * (4 - t.dim()) + tuple(t.shape)).transpose(0, 1)
                for t in (query, key, value, attn_mask)]
     return _ATTENTION(*swapped[:3], attn_mask=swapped[3], dropout_p=dropout_p, is_causal=is_causal,
                       scale=scale).transpose(0, 1)
+
+
+def key_value_heads_repeated(query: torch.Tensor, key: torch.Tensor,
+                             value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Grouped-query attention's key and value (heads at dim -3) with each head repeated
+    for the query heads it serves, as ``enable_gqa=True`` reads them."""
+    repeats = query.shape[-3] // key.shape[-3]
+    if repeats == 1:
+        return key, value
+    return key.repeat_interleave(repeats, -3), value.repeat_interleave(repeats, -3)
 
 
 REWRITES = {F.layer_norm: layer_norm, torch.layer_norm: layer_norm,

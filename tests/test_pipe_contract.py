@@ -342,6 +342,18 @@ def test_a_hugging_face_pipe_is_exported_once(captures, schedule_builds):
     assert schedule_builds == ["gpipe"]
 
 
+def test_sequence_parallelism_without_a_tensor_axis_is_refused_by_name_before_spmd_mode():
+    model = mlp_stack(blocks=4, width=16, inputs=8, outputs=4)
+    with pytest.raises(ValueError, match=r"sequence_parallel: must be True or False, got 'yes'"):
+        xpipe.Pipe(model, chunks=2, stages=4, sequence_parallel="yes")
+    with pytest.raises(ValueError, match=r"sequence_parallel: the devices executor has no 'tensor' axis"):
+        xpipe.Pipe(model, chunks=2, stages=4, executor="devices", sequence_parallel=True)
+    with pytest.raises(ValueError, match=r"sequence_parallel: it splits the stream's sequence over the mesh's "
+                                         r"\"tensor\" axis, and this mesh has none .* tensor=N"):
+        xpipe.Pipe(model, chunks=2, stages=4, executor="spmd", sequence_parallel=True)
+    assert not xr.is_spmd()
+
+
 def test_gather_choices_the_executor_cannot_honour_are_refused_by_name():
     model = mlp_stack(blocks=4, width=16, inputs=8, outputs=4)
     with pytest.raises(ValueError, match=r"gather: 'layer' is not a choice; use one of 'step', 'block'"):

@@ -98,6 +98,28 @@ def test_what_a_block_saves_as_wide_as_the_stream_is_planned_whole_on_every_tens
     assert activations(saved, saved, 1) == activations(0.0, saved, 1)
 
 
+def test_with_sequence_parallelism_what_a_block_saves_as_wide_as_the_stream_is_split_too():
+    """``Pipe(sequence_parallel=True)`` holds the stream between the blocks' tensor-parallel
+    regions as sequence slices: the plan splits every tensor a block saves over "tensor",
+    and counts the conveyor's slices alike; a layout without "tensor" has nothing to split."""
+    profile = profile_of_model(llama(4), {"input_ids": tokens(2, 8)})
+    whole = dataclasses.replace(profile, block_stream_saved_bytes_per_row=0.0)
+
+    def activations(planned, sequence_parallel: bool, gather: str = "step") -> int:
+        layout = Layout(stages=2, data=1, fsdp=2, tensor=2, chunks=4, checkpoint="always", gather=gather,
+                        sequence_parallel=sequence_parallel)
+        return predict(planned, layout, chip=preset("v5e"), batch=16).memory["activations"]
+
+    assert activations(profile, True) == activations(whole, True) < activations(profile, False)
+    assert activations(profile, True, "block") < activations(whole, False, "block")
+    assert "sequence parallel" in str(Layout(2, 1, 1, 2, 4, sequence_parallel=True))
+    with pytest.raises(ValueError, match=r"layout: sequence_parallel splits the sequence over \"tensor\", and this "
+                                         r"layout has tensor=1"):
+        predict(profile, Layout(2, 1, 4, 1, 4, sequence_parallel=True), chip=preset("v5e"), batch=16)
+    planned = xpipe.plan(profile, devices=8, batch=16, sequence_parallel=True)
+    assert all(p.layout.sequence_parallel == (p.layout.tensor > 1) for p in planned.fitting + planned.refused)
+
+
 def test_the_loss_over_sequence_segments_is_planned_a_segment_of_logits_and_a_float32_head_gradient():
     """Where a device's logits reach ``LOSS_SEGMENTS_FROM`` elements the loss runs over
     ``sequence_segments(seq)`` segments (xpipe.spmd.segmented_loss): the plan counts a
@@ -207,6 +229,7 @@ def test_the_python_api_names_what_is_missing():
     (dict(gathers=("step", "layer")), ValueError, r"gather: 'layer' is not a choice; use one of 'step', 'block'"),
     (dict(gathers="block"), ValueError, r"gathers: a tuple of some of 'step', 'block', got 'block'"),
     (dict(padding_mask="yes"), TypeError, r"padding_mask: expected True or False .* got 'yes'"),
+    (dict(sequence_parallel=1), TypeError, r"sequence_parallel: expected True or False \(Pipe's\), got 1"),
 ])
 def test_every_argument_is_checked_before_planning(arguments, error, message):
     with pytest.raises(error, match=message):

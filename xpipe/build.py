@@ -55,6 +55,7 @@ class Options(NamedTuple):
     deferred_batch_norm: bool
     tensor_rules: dict[str, int | None]
     gather: str = "step"
+    sequence_parallel: bool = False
 
 
 class Built(NamedTuple):
@@ -139,6 +140,10 @@ def build_spmd(capture: ModelCapture, options: Options) -> Built:
         check_ring_chunks(stages, options.chunks, options.virtual)
     schedule = by_name(options.schedule, stages, padded_chunks(options.chunks, stages), options.virtual)
     tensor = axes_of(options.mesh).tensor if options.mesh is not None else 1
+    if options.sequence_parallel and tensor == 1:
+        raise ValueError("sequence_parallel: it splits the stream's sequence over the mesh's \"tensor\" axis, and "
+                         "this mesh has none (or one of size 1); build it with xpipe.make_mesh(..., tensor=N), "
+                         "N > 1, or leave sequence_parallel off")
     check_head_counts(module, tensor)
     whole, stacked = capture.whole(), capture.stacked()
     if len(stacked.blocks) < stages:
@@ -159,7 +164,7 @@ def build_spmd(capture: ModelCapture, options: Options) -> Built:
     for piece in {stacked.pre, *stacked.blocks, stacked.post, template}:  # the template's constants are its own
         place_constants_on(piece, device)
     runner = SpmdPipeline(stacked, mesh, schedule, options.chunks, options.checkpoint, device, tie_groups(module),
-                          dims, options.gather, template, packed)
+                          dims, options.gather, template, packed, options.sequence_parallel)
     retire(module, [p for block in stacked.blocks for p in block.parameters()])
     return Built(runner, partition, schedule, mesh, [device])
 
@@ -232,6 +237,9 @@ def build_devices(capture: ModelCapture, options: Options) -> Built:
         raise ValueError(f"gather: the devices executor holds each stage's weights whole on its device, so there is "
                          f"nothing to gather; gather={options.gather!r} is for executor='spmd' on a mesh with "
                          "\"fsdp\" (leave gather out here)")
+    if options.sequence_parallel:
+        raise ValueError("sequence_parallel: the devices executor has no 'tensor' axis to split the sequence "
+                         "over; use executor='spmd' with a mesh from xpipe.make_mesh(..., tensor=N), or leave it off")
     if options.mesh is not None:
         raise ValueError("mesh: the devices executor puts one stage on each XLA device and takes no mesh; "
                          "leave mesh out, or use executor='spmd'")

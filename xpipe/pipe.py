@@ -105,6 +105,15 @@ class Pipe(nn.Module):
             holds one block's weights whole at a time, for an all-gather and a
             reduce-scatter per block per clock. It recomputes every block, so it
             takes ``checkpoint="always"``. See docs/scaling.md.
+        sequence_parallel: spmd executor, on a mesh with "tensor": hold the stream
+            between the blocks' tensor-parallel regions (a block's input, its
+            residual adds and norms) as each tensor device's slice of the
+            sequence (Megatron's sequence parallelism): the tensors a block saves
+            at the stream's width take 1/T of the memory, the reduction after a
+            row-parallel linear is a reduce-scatter and the column-parallel
+            linears read the sequence through an all-gather of the same bytes.
+            For models whose blocks take ``[batch, seq, ..., features]``. See
+            docs/scaling.md.
 
     Attributes:
         partition: the :class:`xpipe.Partition` in use.
@@ -137,6 +146,7 @@ class Pipe(nn.Module):
         sample_input: Any = None,
         tensor_rules: Mapping[str, int | None] | None = None,
         gather: str = "step",
+        sequence_parallel: bool = False,
     ) -> None:
         super().__init__()
         if not isinstance(module, nn.Module):
@@ -150,8 +160,11 @@ class Pipe(nn.Module):
         if loss_fn is not None and not callable(loss_fn):
             raise TypeError(f"loss_fn: expected a callable loss_fn(output, target), got {type(loss_fn).__name__}")
         self.__dict__["loss_fn"] = loss_fn  # not a submodule: the loss is not part of the model's state
+        if not isinstance(sequence_parallel, bool):
+            raise ValueError(f"sequence_parallel: must be True or False, got {sequence_parallel!r}")
         options = Options(self.chunks, stages, balance, mesh, schedule, self.virtual, self.checkpoint,
-                          deferred_batch_norm, check_rules(tensor_rules), check_gather(gather, self.checkpoint))
+                          deferred_batch_norm, check_rules(tensor_rules), check_gather(gather, self.checkpoint),
+                          sequence_parallel)
         capture = ModelCapture(module, sample_input)
         self.executor = choose_executor(executor, capture, options)
         self._original_keys = list(module.state_dict(keep_vars=True))

@@ -71,6 +71,8 @@ def _parser() -> argparse.ArgumentParser:
                         help="recomputation policies to consider (default: except_last always)")
     parser.add_argument("--gather", nargs="+", default=list(GATHERS),
                         help="when the body's weights are gathered: step, block (Pipe's gather; default: both)")
+    parser.add_argument("--sequence-parallel", action="store_true",
+                        help="layouts with tensor > 1 run Pipe's sequence_parallel=True")
     parser.add_argument("--slices", type=int, default=1, help="TPU slices; the stage axis crosses them")
     parser.add_argument("--top", type=int, default=10, help="layouts to list (default: 10)")
     parser.add_argument("--plot", help="FILE.png or FILE.svg: the listed layouts' memory per device by kind")
@@ -86,7 +88,8 @@ def _plan(arguments: argparse.Namespace) -> Plan:
     return plan(model, devices=arguments.devices, batch=arguments.batch, chip=chip, memory_per_device=memory,
                 sample_input=sample, seq=arguments.seq, itemsize=DTYPES[arguments.dtype],
                 optimizer_states=OPTIMIZER_STATES[arguments.optimizer], checkpoints=tuple(arguments.checkpoint),
-                gathers=tuple(arguments.gather), slices=arguments.slices, padding_mask=arguments.padding_mask)
+                gathers=tuple(arguments.gather), slices=arguments.slices, padding_mask=arguments.padding_mask,
+                sequence_parallel=arguments.sequence_parallel)
 
 
 def _model(arguments: argparse.Namespace) -> tuple[Any, Any]:

@@ -70,6 +70,7 @@ class Layout:
     virtual: int = 1  # rounds of the ring (circular)
     checkpoint: str = "except_last"
     gather: str = "step"  # or "block": the body's weights gathered per block slot inside the loop
+    sequence_parallel: bool = False  # Pipe's: the stream between the blocks' tensor-parallel regions split by sequence
 
     @property
     def axes(self) -> MeshAxes:
@@ -92,7 +93,8 @@ class Layout:
 
     def __str__(self) -> str:
         return (f"{self.stages} stage x {self.data} data x {self.fsdp} fsdp x {self.tensor} tensor, "
-                f"{self.schedule_label}, chunks {self.chunks}, checkpoint {self.checkpoint}, gather {self.gather}")
+                f"{self.schedule_label}, chunks {self.chunks}, checkpoint {self.checkpoint}, gather {self.gather}"
+                f"{', sequence parallel' if self.sequence_parallel else ''}")
 
 
 @dataclass(frozen=True)
@@ -156,7 +158,7 @@ def plan(model: nn.Module | ModelProfile | Any, *, devices: int, batch: int, chi
          itemsize: int | None = None, optimizer_states: int = 2,
          checkpoints: tuple[str, ...] = ("except_last", "always"), max_tensor: int = 8,
          tensor_rules: Rules | None = None, slices: int = 1, gathers: tuple[str, ...] = GATHERS,
-         padding_mask: bool = False) -> Plan:
+         padding_mask: bool = False, sequence_parallel: bool = False) -> Plan:
     """Every layout of ``model`` on ``devices`` chips for a global batch of ``batch``
     rows, predicted; those within ``memory_per_device`` (the chip's HBM by default)
     best first.
@@ -184,6 +186,8 @@ def plan(model: nn.Module | ModelProfile | Any, *, devices: int, batch: int, chi
         padding_mask: for a config, whether the batches give an ``attention_mask``
             (then a ``[seq, seq]`` mask travels with every row); a module's sample
             input says it itself.
+        sequence_parallel: whether the layouts with "tensor" run ``Pipe``'s
+            ``sequence_parallel=True``.
 
     Raises:
         ValueError: naming the argument, for a bad count, size, chip or policy.
@@ -198,6 +202,8 @@ def plan(model: nn.Module | ModelProfile | Any, *, devices: int, batch: int, chi
     if not isinstance(padding_mask, bool):
         raise TypeError(f"padding_mask: expected True or False (whether the batches give an attention_mask), "
                         f"got {padding_mask!r}")
+    if not isinstance(sequence_parallel, bool):
+        raise TypeError(f"sequence_parallel: expected True or False (Pipe's), got {sequence_parallel!r}")
     profile = _profile(model, sample_input, seq, padding_mask)
     itemsize = profile.itemsize if itemsize is None else itemsize
     if itemsize not in (1, 2, 4, 8):
@@ -213,7 +219,8 @@ def plan(model: nn.Module | ModelProfile | Any, *, devices: int, batch: int, chi
         raise ValueError(f"slices: {chip.name} has no published DCN bandwidth; give a Chip with dcn_bandwidth")
     predictions = [predict(profile, layout, chip=chip, batch=batch, capacity=capacity, itemsize=itemsize,
                            optimizer_states=optimizer_states, tensor_rules=tensor_rules, slices=slices)
-                   for layout in layouts(profile, devices, batch, checkpoints, max_tensor, tensor_rules, slices)
+                   for layout in layouts(profile, devices, batch, checkpoints, max_tensor, tensor_rules, slices,
+                                         sequence_parallel)
                    if layout.gather in gathers]
     fitting = sorted((p for p in predictions if p.fits), key=lambda p: (p.step_seconds, p.bytes))
     refused = sorted((p for p in predictions if not p.fits), key=lambda p: p.bytes)
@@ -245,10 +252,12 @@ def _check(*, devices: int, batch: int, capacity: int, slices: int, max_tensor: 
 
 
 def layouts(profile: ModelProfile, devices: int, batch: int, checkpoints: tuple[str, ...] = ("except_last",),
-            max_tensor: int = 8, tensor_rules: Rules | None = None, slices: int = 1) -> Iterator[Layout]:
+            max_tensor: int = 8, tensor_rules: Rules | None = None, slices: int = 1,
+            sequence_parallel: bool = False) -> Iterator[Layout]:
     """The layouts the spmd executor can run: stages that hold a block each and that the
     slices divide, tensor sizes the heads and split weights allow, and chunk counts
-    (see :func:`_chunk_counts`) whose microbatches split evenly over the row groups."""
+    (see :func:`_chunk_counts`) whose microbatches split evenly over the row groups;
+    those with "tensor" sequence parallel where ``sequence_parallel`` says so."""
     for stages in _divisors(devices):
         if stages > profile.blocks or stages % slices:
             continue
@@ -259,6 +268,7 @@ def layouts(profile: ModelProfile, devices: int, batch: int, checkpoints: tuple[
                 profile.tensor_dims(tensor, tensor_rules)
             except ValueError:
                 continue
+            split_sequence = sequence_parallel and tensor > 1
             for fsdp in _divisors(devices // (stages * tensor)):
                 data = devices // (stages * tensor * fsdp)
                 for chunks in _chunk_counts(stages):
@@ -266,10 +276,11 @@ def layouts(profile: ModelProfile, devices: int, batch: int, checkpoints: tuple[
                         continue
                     for schedule, virtual in _schedules(profile.blocks, stages):
                         for checkpoint in checkpoints:
-                            yield Layout(stages, data, fsdp, tensor, chunks, schedule, virtual, checkpoint)
+                            yield Layout(stages, data, fsdp, tensor, chunks, schedule, virtual, checkpoint,
+                                         sequence_parallel=split_sequence)
                             if fsdp > 1 and checkpoint == "always":  # per block recomputes every block
                                 yield Layout(stages, data, fsdp, tensor, chunks, schedule, virtual, checkpoint,
-                                             "block")
+                                             "block", split_sequence)
 
 
 def _chunk_counts(stages: int) -> list[int]:
@@ -297,6 +308,9 @@ def predict(profile: ModelProfile, layout: Layout, *, chip: Chip, batch: int, ca
     split = [dim is not None for dim in profile.tensor_dims(layout.tensor, tensor_rules)]
     stacked = [(layout.stages, layout.virtual * depth, math.prod(shape)) for _, shape in profile.block_weights]
     check_gather(layout.gather, layout.checkpoint)
+    if layout.sequence_parallel and layout.tensor == 1:
+        raise ValueError("layout: sequence_parallel splits the sequence over \"tensor\", and this layout has "
+                         "tensor=1; give it tensor > 1, or sequence_parallel=False")
     weights = per_device(stacked=stacked, outer=profile.outer_weights, axes=axes, split=split, itemsize=itemsize,
                          optimizer_states=optimizer_states, gather=layout.gather)
     rows = max(1, -(-batch // (layout.chunks * axes.row_groups)))  # of one microbatch, on one device
@@ -344,15 +358,17 @@ def _activation_bytes(profile: ModelProfile, layout: Layout, schedule: Schedule,
     body on the device's rows."""
     stream = rows * profile.stream_bytes_per_row
     conveyed = stream / layout.tensor  # each tensor device carries its share between stages (Packing.ways)
-    # What one block saves for one microbatch: what is as wide as the stream whole, the rest split.
-    whole = profile.block_stream_saved_bytes_per_row
+    # What one block saves for one microbatch: what is as wide as the stream whole (split by sequence with
+    # sequence parallelism), the rest split.
+    whole = 0.0 if layout.sequence_parallel else profile.block_stream_saved_bytes_per_row
     block = rows * (whole + (profile.block_saved_bytes_per_row - whole) / layout.tensor)
     cell = depth * block  # one stage's blocks
     # What a recomputed cell keeps: its input as the conveyor holds it, or per block (each slot
     # recomputed on its own) every block's input, whole. Gathered per block, the backward recomputes
     # one block at a time, each after the gradient it serves (xpipe.spmd.ordering.after_gradient):
     # one block's activations at once; otherwise the cell's.
-    recomputed = stream * depth if layout.gather == "block" else conveyed
+    slot_input = conveyed if layout.sequence_parallel else stream  # a block's input: its slices, or whole
+    recomputed = slot_input * depth if layout.gather == "block" else conveyed
     working = block if layout.gather == "block" else cell
     slots = microbatch_slots(layout.chunks, layout.stages)
     # Every forward clock keeps, on every stage, what its loop keeps: the idle cells run real rows.

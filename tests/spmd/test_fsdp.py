@@ -41,6 +41,9 @@ CIRCULAR = {"circular, 2 rounds on 2 stages x 2 fsdp x 2 tensor": dict(stages=2,
 # Each block slot's weights gathered inside the clock loop (ZeRO-3), on an fsdp mesh and on every axis.
 PER_BLOCK = {f"gathered per block, {mesh}": dict(MESHES[mesh], gather="block", checkpoint="always")
              for mesh in ("2 stages x 4 fsdp", "2 stages x 2 fsdp x 2 tensor")}
+# The stream between the blocks' tensor-parallel regions split by sequence (Megatron's sequence parallelism).
+SEQUENCE_PARALLEL = {"sequence parallel on 2 stages x 2 fsdp x 2 tensor": dict(stages=2, fsdp=2, tensor=2,
+                                                                               sequence_parallel=True)}
 TENSOR_MESHES = [mesh for mesh in MESHES if "tensor" in mesh]
 # Llama on every tensor mesh; GPT-2 and the encoder stack (packed q/k/v, Conv1D and LayerNorm differ
 # from Llama's blocks) on 2 x 2 x 2 only: on 2 x 1 x 4 and 1 x 4 x 2 they passed too and were left
@@ -49,10 +52,14 @@ TENSOR_MESHES = [mesh for mesh in MESHES if "tensor" in mesh]
 CASES = [(family, mesh) for family in ("llama", "gpt2", "encoder") for mesh in TENSOR_MESHES
          if family == "llama" or mesh == "2 stages x 2 fsdp x 2 tensor"] + [
     ("llama", "2 stages x 4 fsdp"), ("llama", "2 stages x 2 data x 2 fsdp"), ("gpt2", "4 stages x 2 fsdp"),
-    ("llama", "circular, 2 rounds on 2 stages x 2 fsdp x 2 tensor")] + [("llama", mesh) for mesh in PER_BLOCK]
+    ("llama", "circular, 2 rounds on 2 stages x 2 fsdp x 2 tensor")] + [("llama", mesh) for mesh in PER_BLOCK] + [
+    (family, mesh) for family in ("llama", "encoder") for mesh in SEQUENCE_PARALLEL]
 # The quick tier runs each family whose tensor rules differ (Llama; GPT-2's packed q/k/v) on the
-# mesh with every axis; the rest of the grid is the full tier's.
-QUICK_CASES = [("llama", "2 stages x 2 fsdp x 2 tensor"), ("gpt2", "2 stages x 2 fsdp x 2 tensor")]
+# mesh with every axis, and Llama (its padding mask a per-row input beside the sequence slices) sequence
+# parallel; the rest of the grid is the full tier's (the encoder stack's attention runs sequence-first,
+# where its sequence slices move by all-to-alls: docs/scaling.md).
+QUICK_CASES = [("llama", "2 stages x 2 fsdp x 2 tensor"), ("gpt2", "2 stages x 2 fsdp x 2 tensor"),
+               ("llama", "sequence parallel on 2 stages x 2 fsdp x 2 tensor")]
 CASES = [case if case in QUICK_CASES else in_full_tier(*case) for case in CASES]
 
 
@@ -89,7 +96,7 @@ def held(tensors) -> int:
 
 @pytest.mark.parametrize(("family", "mesh"), CASES)
 def test_one_adamw_step_equals_the_plain_model_and_later_steps_compile_nothing(family, mesh):
-    options = MESHES.get(mesh) or CIRCULAR.get(mesh) or PER_BLOCK[mesh]
+    options = MESHES.get(mesh) or CIRCULAR.get(mesh) or PER_BLOCK.get(mesh) or SEQUENCE_PARALLEL[mesh]
     pipe, reference = build(family, **options)
     assert pipe.executor == "spmd" and pipe.runner.replicas == options.get("data", 1) * options["fsdp"]
     optimizer = torch.optim.AdamW(pipe.parameters(), lr=1e-2)

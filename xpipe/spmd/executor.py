@@ -25,6 +25,7 @@ time.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable, Sequence
 from functools import partial
@@ -48,6 +49,7 @@ from xpipe.spmd.lowering import ShardableOps
 from xpipe.spmd.ordering import after_gradient, behind, fenced, read_after, tied_to
 from xpipe.spmd.placement import Placement
 from xpipe.spmd.segmented_loss import LossOverSegments
+from xpipe.spmd.sequence_parallel import SequenceSlices
 from xpipe.spmd.sides import Packing, packing_for
 from xpipe.spmd.stacked_weights import StackedWeights
 from xpipe.spmd.stacking import StackedModel
@@ -82,6 +84,8 @@ class SpmdPipeline(nn.Module):
         template: the block the clock loop runs (block 0, or its copy that splits
             ``packed`` part by part: :func:`xpipe.packed_projections.split_packed`).
         packed: the linears whose packed weights the loop gets tensor-major.
+        sequence_parallel: hold the stream between the blocks' tensor-parallel regions
+            as sequence slices over "tensor" (:mod:`xpipe.spmd.sequence_parallel`).
 
     Attributes:
         state: where each ``state_dict`` key lives (:class:`xpipe.spmd.state_map.StateMap`).
@@ -90,11 +94,12 @@ class SpmdPipeline(nn.Module):
     def __init__(self, stacked: StackedModel, mesh: xs.Mesh, schedule: Schedule, chunks: int, checkpoint: str,
                  device: torch.device, keys: dict[str, tuple[str, ...]], dims: list[int | None],
                  gather: str = "step", template: torch.fx.GraphModule | None = None,
-                 packed: Sequence[PackedLinear] = ()) -> None:
+                 packed: Sequence[PackedLinear] = (), sequence_parallel: bool = False) -> None:
         super().__init__()
         self.gather = gather
         self.mesh = mesh
-        self.placement = Placement(mesh)
+        self.sequence_parallel = sequence_parallel
+        self.placement = Placement(mesh, sequence_parallel)
         self.stages = self.placement.axes.stage
         self.replicas = self.placement.replicas  # P: row groups per stage (data x fsdp)
         self.chunks = chunks
@@ -159,6 +164,10 @@ class SpmdPipeline(nn.Module):
         outer = self.placement.gathered_outer([self.pre, self.post])
         with ShardableOps(), self.batch_norm.updating():
             stream, *rest = _as_tuple(functional_call(self.pre, outer[self.pre], natural))
+        if self.sequence_parallel and stream.dim() < 3:
+            raise ValueError(f"sequence_parallel: the stream between the blocks is {tuple(stream.shape)}, with no "
+                             "sequence dim to split (it splits dim 1 of [batch, seq, ..., features]); leave "
+                             "sequence_parallel off for this model")
         sides, skips = rest[:len(self.side_rows)], rest[len(self.side_rows):]
         per_row = [side for side, rows in zip(sides, self.side_rows) if rows]
         constants = tuple(side for side, rows in zip(sides, self.side_rows) if not rows)
@@ -312,8 +321,13 @@ class SpmdPipeline(nn.Module):
         own_constants = {name: next(constants).to(dtype) for name, (_, dtype) in self._block_constants.items()}
         params = {name: self.body.unstored(index, w) for index, (name, w) in
                   enumerate(zip(self.body.names, block))} | own_constants
-        with ShardableOps(), hashed_dropout(key, slot):
+        slices = SequenceSlices(stream.shape, self.mesh, self.placement.batch_axes) if self.sequence_parallel else None
+        if slices is not None:
+            stream = slices.sliced(stream)
+        with ShardableOps(), hashed_dropout(key, slot), slices or contextlib.nullcontext():
             y = functional_call(self._template[0], params, (stream, *sides))
+        if slices is not None:
+            y = slices.sliced(y)
         return packing.with_stream(x, torch.where(valid > 0, y, stream))
 
     def _slot_of_round(self, stacked: torch.Tensor, slot: int, rounds: torch.Tensor) -> torch.Tensor:

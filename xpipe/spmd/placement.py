@@ -33,10 +33,13 @@ class Placement:
 
     Args:
         mesh: the spmd executor's mesh (``xpipe.make_mesh``).
+        sequence_parallel: whether the blocks hold the stream as sequence slices
+            (:mod:`xpipe.spmd.sequence_parallel`).
     """
 
-    def __init__(self, mesh: xs.Mesh) -> None:
+    def __init__(self, mesh: xs.Mesh, sequence_parallel: bool = False) -> None:
         self.mesh = mesh
+        self.sequence_parallel = sequence_parallel
         self.axes: MeshAxes = axes_of(mesh)
         names = tuple(mesh.axis_names)
         # A batch dim is sharded over the whole mesh, stage-major: device index s * P + p.
@@ -94,13 +97,20 @@ class Placement:
 
     def to_conveyor(self, x: torch.Tensor) -> torch.Tensor:
         """Inside the clock loop: a stage's output, whole as the stage made it, sliced to
-        each tensor device's share of the features."""
-        return self._resharded(x, (self._rows_spec(x.dim()), self.conveyed_spec(x.dim())))
+        each tensor device's share of the features. With sequence parallelism the stage
+        made sequence slices, which are the conveyor's shares where "tensor" divides the
+        sequence (:class:`xpipe.spmd.sides.Packing` gives each tensor device its part of
+        every piece, and a part of the stream's flattened features is a slice of its
+        sequence): nothing moves."""
+        whole = () if self.sequence_parallel else (self._rows_spec(x.dim()),)
+        return self._resharded(x, (*whole, self.conveyed_spec(x.dim())))
 
     def from_conveyor(self, x: torch.Tensor) -> torch.Tensor:
         """Inside the clock loop: a stage's input, from each tensor device's share to
-        whole on every one of them: one all-gather over "tensor"."""
-        return self._resharded(x, (self.conveyed_spec(x.dim()), self._rows_spec(x.dim())))
+        whole on every one of them: one all-gather over "tensor". With sequence
+        parallelism the share stays as it is: the first block reads its slice."""
+        whole = () if self.sequence_parallel else (self._rows_spec(x.dim()),)
+        return self._resharded(x, (self.conveyed_spec(x.dim()), *whole))
 
     def whole_rows(self, x: torch.Tensor) -> torch.Tensor:
         """Outside the clock loop: ``x`` (the packed stream entering the conveyor, or leaving
@@ -132,10 +142,7 @@ class Placement:
         the stage's devices, so gradients add up locally across clocks.
         """
         copies = per_stage.unsqueeze(1).expand(-1, self.replicas, *per_stage.shape[1:]).flatten(0, 1)
-        spec = [self.batch_axes, *[None] * (copies.dim() - 1)]
-        if split:
-            spec[-1] = "tensor"
-        return self.annotated(copies, tuple(spec))
+        return self.annotated(copies, self._body_spec(copies.dim(), split))
 
     def pinned_body(self, weights: tuple[torch.Tensor, ...], dims: list[int | None]) -> tuple[torch.Tensor, ...]:
         """Inside the clock loop, with "tensor": the body's weights (``[S * P, V * K, numel]``,
@@ -150,9 +157,13 @@ class Placement:
         """
         if self.axes.tensor == 1:
             return weights
-        return tuple(xs.mark_sharding_with_gradients(w, self.mesh, (self.batch_axes, None,
-                                                                    "tensor" if dim is not None else None))
+        return tuple(xs.mark_sharding_with_gradients(w, self.mesh, self._body_spec(w.dim(), dim is not None))
                      for w, dim in zip(weights, dims))
+
+    def _body_spec(self, dims: int, split: bool) -> Spec:
+        """A per-device copy of the body (``[S * P, ..., numel]``): rows of devices over the
+        mesh, stage-major; with ``split`` each "tensor" device's share of the last dim."""
+        return (self.batch_axes, *[None] * (dims - 2), "tensor" if split else None)
 
     def resting_body(self, per_stage: torch.Tensor, *, split: bool = False) -> torch.Tensor:
         """``[S, V * K, numel] -> [S * P, V * K, parts, c]``: each row group's own copy of

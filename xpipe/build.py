@@ -22,7 +22,7 @@ from torch import nn
 from xpipe._checks import check_positive_int
 from xpipe._retired import retire
 from xpipe._xla import can_enter_spmd, move_keeping_ties, rebind, warm_autograd
-from xpipe.capture import Captured, place_constants_on, trace_layers
+from xpipe.capture import Captured, as_operations, place_constants_on, trace_layers
 from xpipe.devices.executor import DevicesPipeline
 from xpipe.devices.stages import cut_into_stages
 from xpipe.joined_projections import join_column_parallel
@@ -33,7 +33,7 @@ from xpipe.partition import Partition, partition_captured, rebalanced, spmd_bala
 from xpipe.schedule import Schedule, by_name, check_ring_chunks
 from xpipe.spmd.executor import SCHEDULES as SPMD_SCHEDULES
 from xpipe.spmd.executor import SpmdPipeline, padded_chunks
-from xpipe.spmd.stacking import StackedModel, block_inputs, cut_for_stacking
+from xpipe.spmd.stacking import StackedModel, block_inputs, cut_for_stacking, vmappable
 from xpipe.tensor_inference import CannotInfer, infer_tensor_dims
 from xpipe.tensor_rules import (Packed, Rule, Rules, check_convolutions, check_head_counts, covered_by,
                                 key_value_heads_of, split_dim, tensor_splits, unruled, unruled_message,
@@ -153,18 +153,18 @@ def build_spmd(capture: ModelCapture, options: Options) -> Built:
     partition = spmd_partition(whole, spread(len(stacked.blocks), stages * options.virtual), options.balance)
     names = [name for name, _ in stacked.blocks[0].named_parameters()]
     splits = block_tensor_splits(capture, tensor, options.tensor_rules)
-    template, packed, dims = split_packed_weights(capture, splits, tensor, options.tensor_rules)
+    templates, packed, dims = split_packed_weights(capture, splits, tensor, options.tensor_rules)
     dim_of = dict(zip(names, dims))
     if tensor > 1:  # the backward then reduces the input gradient of each group of them once
-        template, _ = join_column_parallel(template, dim_of, tensor)
+        templates = {mode: join_column_parallel(template, dim_of, tensor)[0] for mode, template in templates.items()}
     check_convolutions(stacked.blocks[0], dim_of)
     mesh = options.mesh if options.mesh is not None else make_mesh(stages)  # the process enters SPMD mode here
     device = spmd_device()
     rebind(module, move_keeping_ties([stacked.pre, stacked.post], device))
-    for piece in {stacked.pre, *stacked.blocks, stacked.post, template}:  # the template's constants are its own
+    for piece in {stacked.pre, *stacked.blocks, stacked.post, *templates.values()}:  # templates' constants are theirs
         place_constants_on(piece, device)
     runner = SpmdPipeline(stacked, mesh, schedule, options.chunks, options.checkpoint, device, tie_groups(module),
-                          dims, options.gather, template, packed, options.sequence_parallel)
+                          dims, options.gather, templates, packed, options.sequence_parallel)
     retire(module, [p for block in stacked.blocks for p in block.parameters()])
     return Built(runner, partition, schedule, mesh, [device])
 
@@ -197,14 +197,16 @@ def block_tensor_splits(capture: ModelCapture, tensor: int, rules: Rules | None)
 
 
 def split_packed_weights(capture: ModelCapture, splits: list[Rule], tensor: int, rules: Rules | None
-                         ) -> tuple[torch.fx.GraphModule, list[PackedLinear], list[int | None]]:
-    """The block the clock loop runs, the packed linears it splits part by part
-    (:mod:`xpipe.packed_projections`), and each block weight's split dim.
+                         ) -> tuple[dict[bool, torch.fx.GraphModule], list[PackedLinear], list[int | None]]:
+    """The block the clock loop runs in train and in eval mode, the packed linears it
+    splits part by part (:mod:`xpipe.packed_projections`), and each block weight's
+    split dim.
 
-    Where the block's graph does not show a packed weight's parts (or no
-    ``sample_input`` lets xpipe read it), the built-in rules keep the packed weights
-    whole, as exact as splitting them; a packed weight the user's own rules name
-    is refused instead, naming ``tensor_rules``.
+    A block torch.fx captured calls modules, whose packed weights' parts its graph
+    does not show: it is captured again by torch.export, once per mode. Where the
+    parts still cannot be read (or no ``sample_input`` lets xpipe read them), the
+    built-in rules keep the packed weights whole, as exact as splitting them; a
+    packed weight the user's own rules name is refused instead, naming ``tensor_rules``.
     """
     stacked = capture.stacked()
     block = stacked.blocks[0]
@@ -212,19 +214,47 @@ def split_packed_weights(capture: ModelCapture, splits: list[Rule], tensor: int,
     dims = [split_dim(rule) for rule in splits]
     packed = [name for name, rule in zip(names, splits) if isinstance(rule, Packed)]
     if not packed:
-        return block, [], dims
+        return {True: block, False: block}, [], dims
     try:
         if capture.sample_input is None:
             raise CannotSplitPacked("xpipe reads the parts on a batch, and no sample_input= was given")
-        template, linears = split_packed(block, packed, block_inputs(stacked, capture.sample_input), tensor)
+        inputs = block_inputs(stacked, capture.sample_input)
+        split = {mode: split_packed(captured, packed, inputs, tensor)
+                 for mode, captured in _block_in_each_mode(block, inputs).items()}
+        (template, linears), (_, eval_linears) = split[True], split[False]
+        if linears != eval_linears:
+            raise CannotSplitPacked("the block's graph reads its packed weights apart differently in train and "
+                                    "eval mode")
     except CannotSplitPacked as reason:
         asked = [name for name in packed if covered_by(name, rules)]
         if asked:
             raise ValueError(f"tensor_rules: {asked} are packed by your rules, but {reason}; give them a rule of "
                              "None to keep them whole, or split the projections into separate linears") from None
-        return block, [], [None if isinstance(rule, Packed) else dim for rule, dim in zip(splits, dims)]
+        return {True: block, False: block}, [], [None if isinstance(rule, Packed) else dim
+                                                 for rule, dim in zip(splits, dims)]
     read = {linear.weight: linear.dim for linear in linears} | {linear.bias: 0 for linear in linears if linear.bias}
-    return template, linears, [read.get(name, dim) for name, dim in zip(names, dims)]
+    return ({mode: template for mode, (template, _) in split.items()}, linears,
+            [read.get(name, dim) for name, dim in zip(names, dims)])
+
+
+def _block_in_each_mode(block: torch.fx.GraphModule, inputs: tuple) -> dict[bool, torch.fx.GraphModule]:
+    """``block`` as its operations, for :func:`split_packed`: itself, if torch.export
+    captured it (the model's mode is fixed then); else captured again by torch.export,
+    in train and in eval mode, its parameters and buffers as ``block``'s."""
+    if not any(node.op == "call_module" for node in block.graph.nodes):
+        return {True: block, False: block}
+    try:
+        captured = {mode: as_operations(block, inputs, mode) for mode in (True, False)}
+    except ValueError as error:
+        raise CannotSplitPacked(f"xpipe captured the block as modules (torch.fx), and torch.export cannot capture "
+                                f"its operations ({str(error).splitlines()[0]})") from None
+    for each in captured.values():
+        vmappable(each)
+        if (dict(each.named_parameters()).keys() != dict(block.named_parameters()).keys()
+                or dict(each.named_buffers()).keys() != dict(block.named_buffers()).keys()):
+            raise CannotSplitPacked("xpipe captured the block as modules (torch.fx), and torch.export's capture of "
+                                    "its operations names its weights otherwise")
+    return captured
 
 
 def build_devices(capture: ModelCapture, options: Options) -> Built:

@@ -28,6 +28,7 @@ import copy
 import inspect
 import operator
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -215,6 +216,32 @@ def _export(module: nn.Module, sample_input: Any) -> torch.fx.GraphModule:
             node.meta.pop(key, None)
     substitute_operators(traced)
     return traced
+
+
+def as_operations(piece: torch.fx.GraphModule, inputs: Sequence[Any], training: bool) -> torch.fx.GraphModule:
+    """``piece`` (captured by torch.fx, so calling modules) captured again by
+    torch.export as the operations those modules run, in train or eval mode (such a
+    graph fixes dropout), its batch dim left free; its parameters keep their names.
+    ``inputs`` (real or fake tensors) are read for their shapes and dtypes only.
+
+    Raises:
+        ValueError: if torch.export cannot capture it.
+    """
+    modes = {module: module.training for module in piece.modules()}
+    piece.train(training)
+    try:
+        captured = _export(piece, tuple(torch.zeros(x.shape, dtype=x.dtype) if isinstance(x, torch.Tensor) else x
+                                        for x in inputs))
+    finally:
+        for module, mode in modes.items():
+            module.training = mode
+    # Called as ``piece`` is, with its inputs, returning its one output: not through torch.export's pytrees.
+    captured.graph._codegen = torch.fx.graph.CodeGen()
+    output = next(node for node in captured.graph.nodes if node.op == "output")
+    (value,) = output.args[0]
+    output.args = (value,)
+    captured.recompile()
+    return captured
 
 
 INPUT_SHAPES = "xpipe_input_shapes"  # GraphModule meta: the sample's shape of each input (None: a free dim)

@@ -241,3 +241,30 @@ def test_bfloat16_llama_on_2_stages_x_2_fsdp_x_2_tensor_compiles_once():
     assert compiles == [before + 1] * 3, f"compiles after each step: {compiles}, before the first: {before}"
     assert all(p.dtype == torch.bfloat16 for p in pipe.parameters())
     assert losses[-1] < losses[0], losses
+
+
+def test_an_encoder_stack_torch_fx_captures_splits_its_packed_in_proj_and_runs_each_mode_as_the_plain_model():
+    """``nn.Sequential`` of torch's ``nn.TransformerEncoderLayer`` (dropout 0.1) on 2 stages x
+    2 fsdp x 2 tensor: torch.fx captures each layer as one module call, whose graph does not
+    show ``in_proj_weight``'s q, k and v; xpipe captures the block again as operations
+    (torch.export), once in train and once in eval mode, and splits it part by part, so
+    each device holds a quarter of its stage's ``in_proj`` (half before, kept whole over
+    "tensor"). In eval mode the Pipe equals the plain model (rtol 1e-4): the eval capture,
+    without dropout, runs; in train mode dropout's masks are drawn."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.TransformerEncoderLayer(32, 4, 64, batch_first=True) for _ in range(2)])
+    reference = copy.deepcopy(model)
+    src = torch.randn(ROWS, 8, 32, generator=torch.Generator().manual_seed(2))
+    pipe = xpipe.Pipe(model, chunks=4, mesh=xpipe.make_mesh(2, fsdp=2, tensor=2), sample_input=src[:2])
+    body = pipe.runner.body
+    in_proj = body.names.index("0.self_attn.in_proj_weight")
+    assert body.dims[in_proj] is not None
+    stage = body.weights[in_proj][0]
+    assert held([body.weights[in_proj]]) == stage.numel() * stage.element_size() // 4
+    pipe.eval()
+    reference.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(pipe(src).cpu(), reference(src), rtol=RTOL, atol=ATOL)
+    pipe.train()
+    trained = pipe(src).cpu()
+    assert not torch.allclose(trained, reference(src), rtol=RTOL, atol=ATOL), "dropout ran in train mode"

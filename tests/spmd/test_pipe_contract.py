@@ -179,13 +179,14 @@ def test_block_weights_no_rule_covers_and_the_graph_cannot_split_are_refused_bef
 
 
 def test_a_packed_rule_of_the_users_whose_parts_xpipe_cannot_read_is_refused_before_device_work():
-    """``xpipe.Packed`` on a block torch.fx captures as a module: xpipe cannot read
-    where the block takes the packed output apart, so the rule is refused, naming
-    ``tensor_rules``, the model untouched."""
+    """``xpipe.Packed`` on a weight whose output the block does not take apart (an MLP's
+    ``up``, which a ReLU reads whole; torch.fx captures the block as a module, and xpipe
+    reads it again as operations): the rule is refused, naming ``tensor_rules``, the
+    model untouched."""
     model = mlp_stack(4, 16)
     with pytest.raises(ValueError, match=r"tensor_rules: \['1.up.weight', '1.up.bias'\] are packed by your rules, "
-                                         r"but xpipe captured the block as a module \(torch.fx\).*; give them a "
-                                         r"rule of None"):
+                                         r"but 1.up.weight's packed output is used by aten.relu.default other than "
+                                         r"to take it apart .*; give them a rule of None"):
         xpipe.Pipe(model, chunks=2, mesh=xpipe.make_mesh(2, fsdp=2, tensor=2), sample_input=torch.randn(2, 16),
                    tensor_rules={"*.up.*": xpipe.Packed(0)})
     assert all(p.device.type == "cpu" for p in model.parameters())

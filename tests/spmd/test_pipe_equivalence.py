@@ -48,13 +48,14 @@ def test_blocks_no_rule_covers_split_over_tensor_as_read_from_their_graph():
     """xpipe's own LM names its linears ``qkv``, ``proj``, ``up`` and ``down``, which no
     built-in rule covers: on 2 stages x 2 fsdp x 2 tensor, with no ``tensor_rules``, its
     block's graph says how to split them (``qkv`` packs q, k and v one after the
-    other: whole), and it trains equal to the plain model."""
+    other: split part by part, the block, which torch.fx captures as a module, captured
+    again as operations), and it trains equal to the plain model."""
     model = tiny_lm(4)
     batch, targets = batch_for(model, 8)
     pipe = assert_pipe_matches(model, batch, targets, loss_of, chunks=4, mesh=xpipe.make_mesh(2, fsdp=2, tensor=2),
                                sample_input=batch[:2])
     body = pipe.runner.body
     assert {name.split(".", 2)[-1]: dim for name, dim in zip(body.names, body.dims)} == {
-        "norm1.weight": None, "norm1.bias": None, "qkv.weight": None, "qkv.bias": None, "proj.weight": 1,
+        "norm1.weight": None, "norm1.bias": None, "qkv.weight": 0, "qkv.bias": 0, "proj.weight": 1,
         "proj.bias": None, "norm2.weight": None, "norm2.bias": None, "up.weight": 0, "up.bias": 0,
         "down.weight": 1, "down.bias": None}

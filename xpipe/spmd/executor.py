@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from functools import partial
 
 import torch
@@ -81,8 +81,10 @@ class SpmdPipeline(nn.Module):
             that name the same tensor (tied weights).
         dims: per block parameter, the dim "tensor" splits, or None (:func:`xpipe.tensor_rules.tensor_dims`).
         gather: when the "fsdp" shards are gathered: ``"step"`` or ``"block"``.
-        template: the block the clock loop runs (block 0, or its copy that splits
-            ``packed`` part by part: :func:`xpipe.packed_projections.split_packed`).
+        templates: the block the clock loop runs, in train (True) and eval mode: block 0,
+            or its copy that splits ``packed`` part by part
+            (:func:`xpipe.packed_projections.split_packed`), one per mode where it was
+            captured again as operations (``xpipe.build.split_packed_weights``).
         packed: the linears whose packed weights the loop gets tensor-major.
         sequence_parallel: hold the stream between the blocks' tensor-parallel regions
             as sequence slices over "tensor" (:mod:`xpipe.spmd.sequence_parallel`).
@@ -93,7 +95,7 @@ class SpmdPipeline(nn.Module):
 
     def __init__(self, stacked: StackedModel, mesh: xs.Mesh, schedule: Schedule, chunks: int, checkpoint: str,
                  device: torch.device, keys: dict[str, tuple[str, ...]], dims: list[int | None],
-                 gather: str = "step", template: torch.fx.GraphModule | None = None,
+                 gather: str = "step", templates: Mapping[bool, torch.fx.GraphModule] | None = None,
                  packed: Sequence[PackedLinear] = (), sequence_parallel: bool = False) -> None:
         super().__init__()
         self.gather = gather
@@ -119,7 +121,8 @@ class SpmdPipeline(nn.Module):
         self.virtual = schedule.virtual  # V: model stages per stage group, run round the ring (circular)
         self.per_stage = spread(self.block_count, self.stages * self.virtual)  # per model stage
         self.depth = max(self.per_stage)  # K: block slots per model stage
-        self._template = [template or stacked.blocks[0]]  # kept out of the module tree: its weights are not ours
+        # Kept out of the module tree (a dict is not a submodule): their weights are not ours.
+        self._templates = dict(templates or {True: stacked.blocks[0], False: stacked.blocks[0]})
         # The blocks' own constants, equal in every block (stacking's check): block 0's, on the device in the
         # form the clock loop carries them, with the dtype each is read back in.
         self._block_constants = {name: (_differentiable(buffer).to(device), buffer.dtype)
@@ -134,8 +137,13 @@ class SpmdPipeline(nn.Module):
     def train(self, mode: bool = True) -> SpmdPipeline:
         """Also sets the mode of the block that the stacked weights run through."""
         super().train(mode)
-        self._template[0].train(mode)
+        for template in self._templates.values():
+            template.train(mode)
         return self
+
+    def _template(self) -> nn.Module:
+        """The block the clock loop runs in the Pipe's mode."""
+        return self._templates[self.training]
 
     def _slots(self) -> list[tuple[int, int]]:
         """The (stage, slot) of each block of the body, in order: model stage ``j``
@@ -236,7 +244,7 @@ class SpmdPipeline(nn.Module):
 
     def _tick(self, recomputed: bool, packing: Packing, ring: bool) -> Callable:
         """The loop body for one stream packing; kept, so that scan's trace cache finds it again."""
-        modes = tuple(module.training for module in self._template[0].modules())  # dropout on or off
+        modes = tuple(module.training for module in self._template().modules())  # dropout on or off
         key = (recomputed, packing, modes, ring)
         if key not in self._ticks:
             if self.gather == "block":
@@ -325,7 +333,7 @@ class SpmdPipeline(nn.Module):
         if slices is not None:
             stream = slices.sliced(stream)
         with ShardableOps(), hashed_dropout(key, slot), slices or contextlib.nullcontext():
-            y = functional_call(self._template[0], params, (stream, *sides))
+            y = functional_call(self._template(), params, (stream, *sides))
         if slices is not None:
             y = slices.sliced(y)
         return packing.with_stream(x, torch.where(valid > 0, y, stream))

@@ -102,7 +102,7 @@ def cut_for_stacking(module: nn.Module, partition: Partition, sample_input: Any 
     post = extract_module(traced, [streams[-1], *skips], post_nodes, None, "Post", output=nodes[-1])
     _check_alike(blocks, module)
     for block in blocks:
-        _vmappable(block)
+        vmappable(block)
     side_rows = _side_rows(pre, len(sides), sample_input) if sides else ()
     side_rows = _hold_equal_rows_once(pre, blocks, side_rows, sample_input)
     return StackedModel(pre, blocks, post, side_rows, ExportedForm.of(traced, module))
@@ -233,7 +233,7 @@ _VMAPPABLE = {
 }
 
 
-def _vmappable(block: torch.fx.GraphModule) -> None:
+def vmappable(block: torch.fx.GraphModule) -> None:
     """Let ``block``, as torch.export recorded it, run inside the stacked loop: under
     ``torch.vmap``, with dropout from the loop's hashed masks (vmap refuses random ops)."""
     for node in block.graph.nodes:

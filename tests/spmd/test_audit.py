@@ -308,7 +308,7 @@ PEAK_LAYOUTS = {
 @pytest.fixture(scope="module")
 def peak_audits():
     """Per layout: the Pipe, the audit of one forward and backward, and the planner's prediction."""
-    audits = {}
+    audits, profiles = {}, {}  # a model's profile, once for all its layouts
     for name, (family, layers, stages, fsdp, tensor, gather, schedule, checkpoint, *sequence) in PEAK_LAYOUTS.items():
         sequence_parallel = bool(sequence)
         ids = tokens(16, 8)
@@ -322,7 +322,9 @@ def peak_audits():
                           sequence_parallel=sequence_parallel)
         report = xpipe.inspect.audit(lambda: pipe(**inputs).loss.backward(), mesh=pipe.mesh)
         layout = Layout(stages, 1, fsdp, tensor, 4, schedule, virtual, checkpoint, gather, sequence_parallel)
-        prediction = predict(profile_of_model(make(), sample), layout, chip=preset("v5e"), batch=16)
+        if (family, layers) not in profiles:
+            profiles[family, layers] = profile_of_model(make(), sample)
+        prediction = predict(profiles[family, layers], layout, chip=preset("v5e"), batch=16)
         audits[name] = pipe, report, prediction
     return audits
 

@@ -221,7 +221,7 @@ def split_packed_weights(capture: ModelCapture, splits: list[Rule], tensor: int,
         inputs = block_inputs(stacked, capture.sample_input)
         split = {mode: split_packed(captured, packed, inputs, tensor)
                  for mode, captured in _block_in_each_mode(block, inputs).items()}
-        (template, linears), (_, eval_linears) = split[True], split[False]
+        linears, eval_linears = split[True][1], split[False][1]
         if linears != eval_linears:
             raise CannotSplitPacked("the block's graph reads its packed weights apart differently in train and "
                                     "eval mode")

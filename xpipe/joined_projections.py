@@ -22,11 +22,11 @@ Pure: torch only, no torch_xla.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
 
 import torch
 import torch.fx
 
+from xpipe.linear_operands import linear_operands
 from xpipe.packed_projections import copy_of, packed_part
 
 aten = torch.ops.aten
@@ -52,7 +52,7 @@ def join_column_parallel(block: torch.fx.GraphModule, dims: Mapping[str, int | N
         _join(module.graph, [by_name[linear.name] for linear in group], tensor)
     module.graph.lint()
     module.recompile()
-    return module, [tuple(_operands(linear)[1].target for linear in group) for group in groups]
+    return module, [tuple(linear_operands(linear).weight.target for linear in group) for group in groups]
 
 
 def joined(weights: Sequence[torch.Tensor], tensor: int) -> torch.Tensor:
@@ -70,7 +70,8 @@ def _linears_by_input(block: torch.fx.GraphModule, dims: Mapping[str, int | None
     for node in block.graph.nodes:
         if node.op != "call_function" or node.target is not aten.linear.default:
             continue
-        x, weight, bias = _operands(node)
+        operands = linear_operands(node)
+        x, weight, bias = operands.x, operands.weight, operands.bias
         if not _split_by_outputs(weight, parameters, dims, tensor, ndim=2):
             continue
         if bias is not None and not _split_by_outputs(bias, parameters, dims, tensor, ndim=1):
@@ -78,13 +79,6 @@ def _linears_by_input(block: torch.fx.GraphModule, dims: Mapping[str, int | None
         found.setdefault(x, []).append(node)
     # Joined, every linear of a group adds a bias or none does; each group by its weights' input width and dtype.
     return {key: group for key, group in found.items() if _alike(group, parameters)}
-
-
-def _operands(linear: torch.fx.Node) -> tuple[Any, Any, Any]:
-    """``(input, weight, bias)`` of an ``aten.linear`` node, each by position or by name."""
-    names = ("input", "weight", "bias")
-    given = dict(zip(names, linear.args)) | {name: linear.kwargs[name] for name in names if name in linear.kwargs}
-    return given.get("input"), given.get("weight"), given.get("bias")
 
 
 def _split_by_outputs(node: object, parameters: Mapping[str, torch.Tensor], dims: Mapping[str, int | None],
@@ -96,8 +90,8 @@ def _split_by_outputs(node: object, parameters: Mapping[str, torch.Tensor], dims
 
 
 def _alike(group: list[torch.fx.Node], parameters: Mapping[str, torch.Tensor]) -> bool:
-    weights = [parameters[_operands(linear)[1].target] for linear in group]
-    biased = {_operands(linear)[2] is not None for linear in group}
+    weights = [parameters[linear_operands(linear).weight.target] for linear in group]
+    biased = {linear_operands(linear).bias is not None for linear in group}
     return (len(biased) == 1 and len({w.shape[1] for w in weights}) == 1
             and len({w.dtype for w in weights}) == 1)
 
@@ -105,9 +99,10 @@ def _alike(group: list[torch.fx.Node], parameters: Mapping[str, torch.Tensor]) -
 def _join(graph: torch.fx.Graph, group: list[torch.fx.Node], tensor: int) -> None:
     """Replace the linears of ``group`` (one input) with one on their joined weights."""
     first = group[0]
-    x, _, _ = _operands(first)
-    weights = [_operands(linear)[1] for linear in group]
-    biases = [bias for _, _, bias in map(_operands, group) if bias is not None]
+    operands = [linear_operands(linear) for linear in group]
+    x = operands[0].x
+    weights = [each.weight for each in operands]
+    biases = [each.bias for each in operands if each.bias is not None]
     sizes = [graph.owning_module.get_parameter(weight.target).shape[0] for weight in weights]
     for attribute in (*weights, *biases):  # read before the joined linear (get_attr nodes read nothing)
         first.prepend(attribute)

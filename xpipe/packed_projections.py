@@ -36,6 +36,7 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.fx.passes.shape_prop import ShapeProp
 
 from xpipe.head_folds import RESHAPES, keep_heads_apart
+from xpipe.linear_operands import linear_operands
 
 aten = torch.ops.aten
 
@@ -61,9 +62,6 @@ class PackedLinear:
     parts: tuple[int, ...]
 
 
-# The linear operations a packed weight feeds: its argument, its bias's, and its output-feature dim.
-_LINEARS = {aten.addmm.default: (2, 0, 1), aten.linear.default: (1, 2, 0), aten.mm.default: (1, None, 1),
-            aten.matmul.default: (1, None, 1)}
 _SPLITS = {aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default}
 
 
@@ -146,14 +144,14 @@ def _packed_linear(node: torch.fx.Node, name: str, weights: dict[str, torch.fx.N
     None where it is that linear's bias (read with its weight)."""
     users = list(node.users)
     linear = users[0] if len(users) == 1 else None
-    if linear is None or linear.target not in _LINEARS:
+    operands = linear_operands(linear) if linear is not None else None
+    if operands is None:
         raise CannotSplitPacked(f"{name} is packed by the rules, but is not used by exactly one linear")
-    weight_at, bias_at, dim = _LINEARS[linear.target]
-    if linear.args[weight_at] is not node:
-        if bias_at is not None and len(linear.args) > bias_at and linear.args[bias_at] is node:
+    if operands.weight is not node:
+        if operands.bias is node:
             return None
         raise CannotSplitPacked(f"{name} is packed by the rules, but is not a linear's weight")
-    bias = linear.args[bias_at] if bias_at is not None and len(linear.args) > bias_at else None
+    bias, dim = operands.bias, operands.out_dim
     if isinstance(bias, torch.fx.Node) and bias.target not in weights:
         raise CannotSplitPacked(f"{bias.target} adds to {name}'s packed features; pack it too "
                                 f"(tensor_rules={{{bias.target!r}: xpipe.Packed(0)}})")

@@ -50,6 +50,7 @@ from torch.func import functional_call
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from xpipe.head_folds import keep_heads_apart, split_last
+from xpipe.linear_operands import linear_operands
 from xpipe.tensor_rules import Packed
 
 
@@ -448,20 +449,12 @@ def _linear(node: torch.fx.Node, params: dict[torch.fx.Node, str],
             transposed: dict[torch.fx.Node, torch.fx.Node]) -> tuple | None:
     """``(input, weight, bias, output features dim, input features dim)`` of a linear
     whose weight is a 2-D parameter of the block (or its transpose: ``x @ w.T``), or None."""
-    op, args = _op(node), node.args
-    if op == "linear":
-        x, weight, bias = args[0], args[1], args[2] if len(args) > 2 else node.kwargs.get("bias")
-        out_dim, in_dim = 0, 1
-    elif op == "addmm":  # bias + x @ weight, weight [in, out] (GPT-2's Conv1D)
-        bias, x, weight = args[:3]
-        out_dim, in_dim = 1, 0
-    elif op in ("mm", "matmul"):
-        x, weight, bias = args[0], args[1], None
-        out_dim, in_dim = 1, 0
-        if weight in transposed:
-            weight, out_dim, in_dim = transposed[weight], 0, 1
-    else:
+    operands = linear_operands(node)
+    if operands is None:
         return None
+    x, weight, bias, out_dim, in_dim = operands.x, operands.weight, operands.bias, operands.out_dim, operands.in_dim
+    if _op(node) in ("mm", "matmul") and weight in transposed:  # x @ w.T
+        weight, out_dim, in_dim = transposed[weight], 0, 1
     if weight not in params or len(_shape(weight)) != 2:
         return None
     return x, weight, bias, out_dim, in_dim

@@ -10,7 +10,7 @@ XLA devices, only once nothing can refuse.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -156,7 +156,7 @@ def build_spmd(capture: ModelCapture, options: Options) -> Built:
     templates, packed, dims = split_packed_weights(capture, splits, tensor, options.tensor_rules)
     dim_of = dict(zip(names, dims))
     if tensor > 1:  # the backward then reduces the input gradient of each group of them once
-        templates = {mode: join_column_parallel(template, dim_of, tensor)[0] for mode, template in templates.items()}
+        templates = _each_once(templates, lambda template: join_column_parallel(template, dim_of, tensor)[0])
     check_convolutions(stacked.blocks[0], dim_of)
     mesh = options.mesh if options.mesh is not None else make_mesh(stages)  # the process enters SPMD mode here
     device = spmd_device()
@@ -219,8 +219,7 @@ def split_packed_weights(capture: ModelCapture, splits: list[Rule], tensor: int,
         if capture.sample_input is None:
             raise CannotSplitPacked("xpipe reads the parts on a batch, and no sample_input= was given")
         inputs = block_inputs(stacked, capture.sample_input)
-        split = {mode: split_packed(captured, packed, inputs, tensor)
-                 for mode, captured in _block_in_each_mode(block, inputs).items()}
+        split = _each_once(_block_in_each_mode(block, inputs), lambda each: split_packed(each, packed, inputs, tensor))
         linears, eval_linears = split[True][1], split[False][1]
         if linears != eval_linears:
             raise CannotSplitPacked("the block's graph reads its packed weights apart differently in train and "
@@ -235,6 +234,15 @@ def split_packed_weights(capture: ModelCapture, splits: list[Rule], tensor: int,
     read = {linear.weight: linear.dim for linear in linears} | {linear.bias: 0 for linear in linears if linear.bias}
     return ({mode: template for mode, (template, _) in split.items()}, linears,
             [read.get(name, dim) for name, dim in zip(names, dims)])
+
+
+def _each_once(per_mode: dict[bool, Any], make: Callable[[Any], Any]) -> dict[bool, Any]:
+    """``make`` of each mode's block, made once for a block both modes share."""
+    made: dict[int, Any] = {}
+    for block in per_mode.values():
+        if id(block) not in made:
+            made[id(block)] = make(block)
+    return {mode: made[id(block)] for mode, block in per_mode.items()}
 
 
 def _block_in_each_mode(block: torch.fx.GraphModule, inputs: tuple) -> dict[bool, torch.fx.GraphModule]:

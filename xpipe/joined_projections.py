@@ -90,8 +90,9 @@ def _split_by_outputs(node: object, parameters: Mapping[str, torch.Tensor], dims
 
 
 def _alike(group: list[torch.fx.Node], parameters: Mapping[str, torch.Tensor]) -> bool:
-    weights = [parameters[linear_operands(linear).weight.target] for linear in group]
-    biased = {linear_operands(linear).bias is not None for linear in group}
+    operands = [linear_operands(linear) for linear in group]
+    weights = [parameters[each.weight.target] for each in operands]
+    biased = {each.bias is not None for each in operands}
     return (len(biased) == 1 and len({w.shape[1] for w in weights}) == 1
             and len({w.dtype for w in weights}) == 1)
 

@@ -205,6 +205,42 @@ class BuiltFromTheBatchSize(nn.Module):
         return x
 
 
+class EqualInGroupsOfFour(nn.Module):
+    """Blocks that read a tensor built from the batch's size alone whose rows are equal
+    in groups of four: equal on a two-row sample, and on four rows, not on eight."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(ScaleAndOffset() for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.size(0)
+        scale = torch.linspace(-1, 1, 8).expand(rows, 8)
+        group = torch.arange(rows, dtype=x.dtype).div(4, rounding_mode="floor")
+        offset = group.unsqueeze(1).expand(rows, 8)
+        for block in self.blocks:
+            x = block(x, scale, offset)
+        return x
+
+
+def test_rows_equal_on_the_sample_but_not_by_construction_travel_with_their_rows():
+    """Held once only when proven from the graph: rows equal in groups of four pass
+    any check on a sample of two or four rows, and were broadcast from the first row
+    (a loss wrong by nearly 3x at 8 rows)."""
+    from xpipe.build import ModelCapture
+
+    model = EqualInGroupsOfFour()
+    stacked = ModelCapture(model, torch.randn(2, 8)).stacked()
+    assert stacked.side_rows == (False, True)
+    x = torch.randn(8, 8)
+    hidden, scale, offset = stacked.pre(x)[:3]
+    assert scale.shape == (1, 8) and offset.shape == (8, 8)
+    for block in stacked.blocks:
+        hidden = block(hidden, scale, offset)
+    (output,) = stacked.post(hidden, *stacked.pre(x)[3:])
+    torch.testing.assert_close(output, model(x), rtol=1e-5, atol=1e-6)
+
+
 def test_a_side_input_whose_rows_are_equal_is_held_as_one_row_and_broadcast_in_each_block():
     """Built from shapes alone is not enough: ``offset`` reads only the batch size too,
     and its rows differ, so it still travels with its rows."""
@@ -219,7 +255,7 @@ def test_a_side_input_whose_rows_are_equal_is_held_as_one_row_and_broadcast_in_e
     for block in stacked.blocks:
         hidden = block(hidden, scale, offset)
     (output,) = stacked.post(hidden, *stacked.pre(x)[3:])  # torch.export's flat outputs
-    torch.testing.assert_close(output, model(x), rtol=0, atol=0)
+    torch.testing.assert_close(output, model(x), rtol=1e-5, atol=1e-6)
 
 
 def test_blocks_that_alternate_between_inputs_stack_as_units_of_one_of_each():
@@ -239,4 +275,35 @@ def test_blocks_that_alternate_between_inputs_stack_as_units_of_one_of_each():
     hidden = x
     for block in stacked.blocks:
         hidden = block(hidden, near, far)
-    torch.testing.assert_close(hidden, model(x), rtol=0, atol=0)
+    torch.testing.assert_close(hidden, model(x), rtol=1e-5, atol=1e-6)
+
+
+def test_a_sequence_first_stream_is_refused_before_any_device_work():
+    """nn.TransformerEncoderLayer in its default layout passes [seq, batch, width]
+    between blocks: cut on dim 0, its attention would see a microbatch's positions
+    only (a silently wrong result); the cut refuses, naming the fix."""
+    from xpipe.build import ModelCapture
+
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.1)  # batch_first=False
+    model = nn.TransformerEncoder(layer, 4, enable_nested_tensor=False)
+    with pytest.raises(ValueError, match="mix the rows of dim 0.*batch_first=True"):
+        ModelCapture(model, torch.randn(8, 4, 16)).stacked()
+    batch_first = nn.TransformerEncoder(nn.TransformerEncoderLayer(16, 2, 32, dropout=0.1, batch_first=True), 4,
+                                        enable_nested_tensor=False)
+    assert len(ModelCapture(batch_first, torch.randn(4, 8, 16)).stacked().blocks) == 4
+
+
+def test_a_side_input_with_rows_folded_into_another_dim_is_refused_by_name():
+    """BLOOM builds its ALiBi bias as [rows * heads, 1, seq]: dim 0 grows with the
+    batch but is not its rows. Carried by rows it was cut across its heads (a crash
+    inside torch, or, where shapes still broadcast, a silent truncation)."""
+    from transformers import BloomConfig, BloomForCausalLM
+
+    from xpipe.build import ModelCapture
+
+    torch.manual_seed(0)
+    model = BloomForCausalLM(BloomConfig(vocab_size=128, hidden_size=32, n_layer=4, n_head=4, use_cache=False))
+    with pytest.raises(ValueError, match=r"dim 0 \(8 on a sample of 2 rows\) grows with the batch but is not its "
+                                         r"rows.*executor='devices'"):
+        ModelCapture(model, torch.randint(0, 128, (2, 8))).stacked()

@@ -33,8 +33,8 @@ def short(groups) -> list[tuple[str, ...]]:
 def test_llamas_q_k_v_and_gate_up_run_as_two_linears_equal_to_the_plain_block(tensor):
     """Llama's q, k and v projections read the same normed stream, its gate and up
     the same: each group runs as one linear, and the block's output and every
-    weight's gradient equal the plain block's (the joined matmul adds the same
-    products in the same order: bit for bit here)."""
+    weight's gradient equal the plain block's (the joined matmul adds the same products,
+    in the blocking the BLAS picks for the wider matrix: to a stated tolerance)."""
     block, dims, inputs = block_of(llama(2, heads=4, kv_heads=4))
     joined_block, groups = join_column_parallel(block, dims, tensor)
     assert short(groups) == [("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj")]
@@ -42,7 +42,7 @@ def test_llamas_q_k_v_and_gate_up_run_as_two_linears_equal_to_the_plain_block(te
     assert len(linears) == 4  # the joined two, o_proj and down_proj
     weights = {name: p.detach().clone().requires_grad_() for name, p in block.named_parameters()}
     expected, got = (functional_call(module, weights, inputs) for module in (block, joined_block))
-    assert torch.equal(got, expected)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
     expected_grads = torch.autograd.grad(expected.square().sum(), list(weights.values()))
     got_grads = torch.autograd.grad(got.square().sum(), list(weights.values()))
     for name, want, have in zip(weights, expected_grads, got_grads):
@@ -55,7 +55,7 @@ def test_biases_join_with_their_weights():
     joined_block, groups = join_column_parallel(block, dims, 2)
     assert short(groups) == [("query", "key", "value")]
     with torch.no_grad():
-        torch.testing.assert_close(joined_block(*inputs), block(*inputs), rtol=0, atol=0)
+        torch.testing.assert_close(joined_block(*inputs), block(*inputs), rtol=1e-5, atol=1e-6)
 
 
 def test_only_linears_split_by_their_output_features_join():

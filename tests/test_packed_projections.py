@@ -61,7 +61,9 @@ def test_a_block_split_part_by_part_computes_what_the_plain_block_computes(famil
     with torch.no_grad():
         expected = block(*inputs)
         got = functional_call(split, tensor_major_weights(block, linears, tensor), inputs)
-    assert torch.equal(got, expected)
+    # The split block multiplies by each part's weights apart: the same products, summed in another
+    # blocking by the BLAS (4.8e-7 apart on outputs of 3.2 on an AVX-512 CPU), so to a stated tolerance.
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
 
 
 def test_each_tensor_devices_share_of_a_packed_weight_holds_its_share_of_every_part():

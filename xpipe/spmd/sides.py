@@ -83,6 +83,10 @@ class Packing:
     def _cut(self, flat: torch.Tensor, part: int) -> torch.Tensor:
         """``[rows, size]`` -> ``[rows, ways, part]``, padded with zeros to divide."""
         missing = part * self.ways - flat.shape[1]
+        if missing < 0:  # a piece with more values a row than its recorded shape: never cut it to fit
+            raise ValueError(f"module: a tensor carried with the stream holds {flat.shape[1]} values a row where "
+                             f"its shape a row says {part * self.ways}: its dim 0 is not the batch's rows alone; "
+                             "use executor='devices'")
         if missing:
             flat = torch.nn.functional.pad(flat, (0, missing))
         return flat.reshape(flat.shape[0], self.ways, part)

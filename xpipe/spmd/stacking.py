@@ -19,6 +19,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from xpipe.capture import Captured, ExportedForm, extract_module, flat_inputs, is_batch_size, trace_layers
 from xpipe.partition import Partition
+from xpipe.spmd.batch_rows import check_rows_stay_apart, check_sides_hold_whole_rows
+from xpipe.spmd.equal_rows import rows_proven_equal
 
 PRE, POST = "pre", "post"
 
@@ -103,8 +105,10 @@ def cut_for_stacking(module: nn.Module, partition: Partition, sample_input: Any 
     _check_alike(blocks, module)
     for block in blocks:
         vmappable(block)
-    side_rows = _side_rows(pre, len(sides), sample_input) if sides else ()
+    side_rows = _side_rows(pre, [side.name for side in sides], sample_input) if sides else ()
     side_rows = _hold_equal_rows_once(pre, blocks, side_rows, sample_input)
+    if sample_input is not None:
+        _check_rows_stay_apart(pre, blocks[0], side_rows, sample_input)
     return StackedModel(pre, blocks, post, side_rows, ExportedForm.of(traced, module))
 
 
@@ -257,9 +261,10 @@ def _check_sides_are_tensors(sides: list[torch.fx.Node]) -> None:
                              "only. Build the model for a fixed sequence length, or use executor='devices'")
 
 
-def _side_rows(pre: torch.fx.GraphModule, count: int, sample_input: Any) -> tuple[bool, ...]:
-    """Which of ``pre``'s side outputs have a row per batch row: those whose dim 0
-    doubles when the sample batch does (shapes only; nothing is computed)."""
+def _side_rows(pre: torch.fx.GraphModule, names: list[str], sample_input: Any) -> tuple[bool, ...]:
+    """Which of ``pre``'s side outputs (``names``) have a row per batch row: those whose
+    dim 0 doubles when the sample batch does (shapes only; nothing is computed).
+    One whose dim 0 doubles but is not the rows (rows folded with heads) is refused."""
     if sample_input is None:
         raise ValueError("sample_input: the blocks of the repeated body read tensors computed before it (an "
                          "attention mask, position embeddings); pass sample_input=<a batch as the model takes it> "
@@ -267,13 +272,26 @@ def _side_rows(pre: torch.fx.GraphModule, count: int, sample_input: Any) -> tupl
     inputs = flat_inputs(sample_input)
     with FakeTensorMode(allow_non_fake_inputs=True) as mode:
         once, twice = _on_fakes(pre, inputs, mode), _on_fakes(pre, _doubled(inputs), mode)
-    rows = []
-    for index, (a, b) in enumerate(zip(once[1:count + 1], twice[1:count + 1])):
+    count = len(names)
+    for a in once[1:count + 1]:
         if not isinstance(a, torch.Tensor) or a.dim() == 0:
             raise ValueError(f"module: the blocks read a value computed before the body that is not a tensor "
                              f"with a batch dim ({type(a).__name__}); use executor='devices'")
-        rows.append(b.shape[0] == 2 * a.shape[0])
-    return tuple(rows)
+    check_sides_hold_whole_rows(names, once[1:count + 1], twice[1:count + 1], once[0].shape[0])
+    return tuple(b.shape[0] == 2 * a.shape[0] for a, b in zip(once[1:count + 1], twice[1:count + 1]))
+
+
+def _check_rows_stay_apart(pre: torch.fx.GraphModule, block: torch.fx.GraphModule, side_rows: tuple[bool, ...],
+                           sample_input: Any) -> None:
+    """Refuse a first block that mixes its stream's rows (:mod:`xpipe.spmd.batch_rows`),
+    run on the host on what ``pre`` makes of the sample (not where a weight is on the
+    meta device: the planner's models)."""
+    if any(tensor.is_meta for module in (pre, block) for tensor in [*module.parameters(), *module.buffers()]):
+        return
+    inputs = [x.cpu() if isinstance(x, torch.Tensor) else x for x in flat_inputs(sample_input)]
+    with torch.no_grad():
+        stream, *sides = _as_tuple(pre(*inputs))[:1 + len(side_rows)]
+    check_rows_stay_apart(block, stream, sides, side_rows)
 
 
 def _doubled(inputs: list[Any]) -> list[Any]:
@@ -281,26 +299,17 @@ def _doubled(inputs: list[Any]) -> list[Any]:
     return [torch.cat([x, x]) if isinstance(x, torch.Tensor) and x.dim() else x for x in inputs]
 
 
-# Operations that read only their first argument's shape, dtype and device.
-_READS_METADATA = {
-    torch.ops.aten.sym_size.int, torch.ops.aten.sym_numel.default, torch.ops.aten.sym_stride.int,
-    torch.ops.aten.new_empty.default, torch.ops.aten.new_zeros.default, torch.ops.aten.new_ones.default,
-    torch.ops.aten.new_full.default, torch.ops.aten.empty_like.default, torch.ops.aten.zeros_like.default,
-    torch.ops.aten.ones_like.default, torch.ops.aten.full_like.default,
-}
-
-
 def _hold_equal_rows_once(pre: torch.fx.GraphModule, blocks: list[torch.fx.GraphModule],
                           side_rows: tuple[bool, ...], sample_input: Any) -> tuple[bool, ...]:
-    """``side_rows`` with each per-row side whose rows are all equal by construction
-    turned into one held whole: ``pre`` returns its first row, each block broadcasts
+    """``side_rows`` with each per-row side whose rows are proven equal for any batch
+    (:mod:`xpipe.spmd.equal_rows`) turned into one held whole: ``pre`` returns its first row, each block broadcasts
     it back to the stream's rows. Such a side (a causal mask expanded to the batch)
     would otherwise travel with every row of every microbatch, in the stream's dtype:
     for Llama 3 70B at 2,048 tokens, a fifth of what crosses each stage boundary."""
     output = next(node for node in pre.graph.nodes if node.op == "output")
     returned = list(output.args[0]) if isinstance(output.args[0], (tuple, list)) else [output.args[0]]
     equal = [index for index, rows in enumerate(side_rows)
-             if rows and _rows_built_equal(pre, returned[1 + index], sample_input)]
+             if rows and rows_proven_equal(pre, returned[1 + index], sample_input)]
     if not equal:
         return side_rows
     for index in equal:
@@ -321,39 +330,6 @@ def _hold_equal_rows_once(pre: torch.fx.GraphModule, blocks: list[torch.fx.Graph
 def rows_of(side: torch.Tensor, stream: torch.Tensor) -> torch.Tensor:
     """``side``'s one row broadcast to ``stream``'s rows (a view: nothing is copied)."""
     return side.expand(stream.shape[0], *side.shape[1:])
-
-
-def _rows_built_equal(pre: torch.fx.GraphModule, side: torch.fx.Node, sample_input: Any) -> bool:
-    """Whether ``side``'s rows are equal for any batch: it reads no input's values (only
-    shapes) and nothing random, and on the sample batch and on twice its rows every row
-    equals the first (computed on the host from its own operations; a few rows)."""
-    ancestors, todo = set(), [side]
-    while todo:
-        node = todo.pop()
-        if node in ancestors:
-            continue
-        ancestors.add(node)
-        if node.op == "placeholder":
-            return False
-        if isinstance(node.target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in node.target.tags:
-            return False
-        read = node.all_input_nodes
-        if node.target in _READS_METADATA:
-            read = [arg for arg in read if arg is not node.args[0]]
-        todo.extend(read)
-    graph = torch.fx.Graph()
-    env: dict[torch.fx.Node, torch.fx.Node] = {}
-    for node in pre.graph.nodes:
-        if node.op == "placeholder" or node in ancestors:
-            env[node] = graph.node_copy(node, lambda n: env[n])
-    graph.output(env[side])
-    only_side = torch.fx.GraphModule(pre, graph)
-    inputs = flat_inputs(sample_input)
-    for batch in (inputs, _doubled(inputs)):
-        value = only_side(*[x.cpu() if isinstance(x, torch.Tensor) else x for x in batch])
-        if not torch.equal(value, value[:1].expand_as(value)):
-            return False
-    return True
 
 
 def block_inputs(stacked: StackedModel, sample_input: Any) -> tuple[torch.Tensor, ...]:

@@ -227,6 +227,60 @@ def test_every_file_and_the_rename_are_made_durable_before_the_old_checkpoint_go
     assert xpipe.load(tmp_path / "ckpt", pipe, optimizer)[0] == 2
 
 
+def _interrupt(*args, **kwargs):
+    raise KeyboardInterrupt
+
+
+def _interrupt_on_call(number: int, original):
+    """``original``, except that its ``number``-th call is interrupted."""
+    calls = []
+
+    def wrapped(*args, **kwargs):
+        calls.append(args)
+        if len(calls) == number:
+            raise KeyboardInterrupt
+        return original(*args, **kwargs)
+    return wrapped
+
+
+INTERRUPTIONS = {
+    "while DCP writes": lambda mp: mp.setattr(checkpoints.pieces.StreamingFileWriter, "write_data", _interrupt),
+    "while hashing the files": lambda mp: mp.setattr(saving, "checksum", _interrupt),
+    "before the swap": lambda mp: mp.setattr(saving, "put_in_place", _interrupt),
+    # where the filesystem cannot swap two directories: the old one is renamed aside first
+    "between the renames": lambda mp: (mp.setattr(checkpoints.files, "_exchanged", lambda a, b: False),
+                                       mp.setattr(checkpoints.files.os, "rename",
+                                                  _interrupt_on_call(2, checkpoints.files.os.rename))),
+}
+
+
+@pytest.mark.parametrize("moment", INTERRUPTIONS)
+def test_a_save_interrupted_at_any_step_leaves_the_previous_checkpoint_loadable(tmp_path, monkeypatch, moment):
+    """At every instant the path holds a checkpoint, the old one until the new one is
+    complete; the interrupt reaches the caller as itself (DCP wraps what its writer
+    raises in a CheckpointException)."""
+    pipe, optimizer = make(small_cnn())
+    xpipe.save(tmp_path / "ckpt", pipe, optimizer, step=1)
+    with monkeypatch.context() as patched:
+        INTERRUPTIONS[moment](patched)
+        with pytest.raises(KeyboardInterrupt):
+            xpipe.save(tmp_path / "ckpt", pipe, optimizer, step=2)
+    assert xpipe.load(tmp_path / "ckpt", pipe, optimizer)[0] == 1
+    xpipe.save(tmp_path / "ckpt", pipe, optimizer, step=3)  # and a later save cleans up what was left aside
+    assert xpipe.load(tmp_path / "ckpt", pipe, optimizer)[0] == 3
+    assert [p.name for p in tmp_path.iterdir()] == ["ckpt"]
+
+
+def test_a_save_swaps_the_checkpoint_in_one_step(tmp_path, monkeypatch):
+    """Replacing a checkpoint renames nothing aside: the directories swap."""
+    pipe, optimizer = make(small_cnn())
+    xpipe.save(tmp_path / "ckpt", pipe, optimizer, step=1)
+    renamed, rename = [], os.rename
+    monkeypatch.setattr(checkpoints.files.os, "rename", lambda *args: (renamed.append(Path(args[0]).name), rename(*args)))
+    xpipe.save(tmp_path / "ckpt", pipe, optimizer, step=2)
+    assert "ckpt" not in renamed and xpipe.load(tmp_path / "ckpt", pipe, optimizer)[0] == 2
+
+
 def test_a_save_on_several_hosts_without_a_process_group_is_refused_before_it_writes(tmp_path, monkeypatch):
     """Without a group over the hosts each would put its own shards in place of the
     others': refused, naming what to call, and nothing written."""

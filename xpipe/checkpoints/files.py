@@ -6,15 +6,20 @@ caller's ``extra``, the optimizer's param groups by parameter name, the
 random-number states) and ``manifest.json`` (the layout it was saved from, every
 key's shape and dtype, every file's CRC-32). Writes are atomic: a checkpoint is
 written into a staging directory beside ``path``, which replaces ``path`` only
-when complete and durable. Only a directory that holds an xpipe checkpoint (or
+when complete and durable, in one step: ``path`` holds the old checkpoint or the
+new one at every instant. Only a directory that holds an xpipe checkpoint (or
 nothing) is ever replaced: a user's own files are never moved or deleted.
 """
 
 from __future__ import annotations
 
+import ctypes
+import errno
+import glob
 import json
 import os
 import shutil
+import warnings
 import zlib
 from pathlib import Path
 from typing import Any
@@ -96,16 +101,63 @@ def fsync(path: Path) -> None:
 
 
 def put_in_place(path: Path, staging: Path) -> None:
-    """Put the complete checkpoint ``staging`` at ``path``; the old one goes only after
-    the rename is durable."""
-    retired = None
-    if path.exists():
-        retired = path.with_name(f".{path.name}.{os.getpid()}.replaced")
+    """Put the complete checkpoint ``staging`` at ``path``, so that at every instant
+    ``path`` holds the old checkpoint or the new one: the two directories swap in one
+    step (Linux's ``renameat2(RENAME_EXCHANGE)``), and ``staging`` then holds the old
+    one, which the caller removes. Where the filesystem cannot swap, the old one is
+    renamed aside first (``.NAME.PID.replaced``), and :func:`readable_checkpoint` finds
+    it there if the save stops between the two renames."""
+    if not path.exists():
+        os.rename(staging, path)
+    elif not _exchanged(staging, path):
+        retired = path.with_name(f".{path.name}.{os.getpid()}{RETIRED}")
         os.rename(path, retired)
-    os.rename(staging, path)
-    fsync(path.parent)
-    if retired is not None:
+        os.rename(staging, path)
+        fsync(path.parent)
         shutil.rmtree(retired)
+    fsync(path.parent)
+    for stale in _retired_beside(path):  # left by a save that stopped between its renames
+        shutil.rmtree(stale, ignore_errors=True)
+
+
+RETIRED = ".replaced"
+_RENAME_EXCHANGE, _AT_FDCWD = 2, -100
+
+
+def _exchanged(a: Path, b: Path) -> bool:
+    """Swap the directories ``a`` and ``b`` in one step; False where this system or
+    filesystem cannot (no ``renameat2``, or it refuses the flag)."""
+    renameat2 = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None)
+    if renameat2 is None:
+        return False
+    if renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    error = ctypes.get_errno()
+    if error in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+        return False
+    raise OSError(error, os.strerror(error), str(b))
+
+
+def _retired_beside(path: Path) -> list[Path]:
+    """The checkpoints a save renamed aside from ``path`` and did not remove, newest first."""
+    found = [entry for entry in path.parent.glob(f".{glob.escape(path.name)}.*{RETIRED}")
+             if entry.is_dir() and _checkpoint_files(entry) is not None]
+    return sorted(found, key=lambda entry: entry.stat().st_mtime, reverse=True)
+
+
+def readable_checkpoint(path: Path) -> Path:
+    """Where the checkpoint at ``path`` is: ``path`` itself, or, where a save stopped
+    between renaming the old checkpoint aside and the new one in (no manifest at
+    ``path``), the old one beside it."""
+    if (path / MANIFEST).is_file():
+        return path
+    retired = _retired_beside(path) if path.parent.is_dir() else []
+    if retired:
+        warnings.warn(f"xpipe.load: {str(path)!r} holds no checkpoint: a save stopped while it replaced the "
+                      f"previous one, which is read from {str(retired[0])!r}; the next save to {str(path)!r} "
+                      "removes it", stacklevel=3)
+        return retired[0]
+    return path
 
 
 

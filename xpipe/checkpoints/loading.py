@@ -20,7 +20,7 @@ import torch.distributed.checkpoint as dcp
 import torch_xla.core.xla_model as xm
 from torch import nn
 
-from xpipe.checkpoints.files import TRAINING, checked_manifest
+from xpipe.checkpoints.files import TRAINING, checked_manifest, readable_checkpoint
 from xpipe.checkpoints.group import SaveGroup
 from xpipe.checkpoints.pieces import PieceLoadPlanner, Pieces
 from xpipe.checkpoints.saving import dcp_call, optimizer_kind, run_pending, wait_for_background_saves
@@ -60,6 +60,7 @@ def load(path: str | os.PathLike, pipe: nn.Module,
     group = SaveGroup.of_process_group()
     group.joined("xpipe.load", path)
     wait_for_background_saves()
+    path = readable_checkpoint(path)
     run_pending(pipe)
     manifest = checked_manifest(path)
     _check_matches(path, manifest, pipe.state_dict(), optimizer)

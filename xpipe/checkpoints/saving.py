@@ -190,7 +190,8 @@ def dcp_call(action: str, path: Path) -> Iterator[None]:
     """A call into DCP: without the warning it gives for every single-process save
     and load, and with its ``CheckpointException`` (a ``BaseException``, which
     ``except Exception`` lets through, listing ranks but no file) raised as a
-    ``RuntimeError`` that names ``path`` and each process's first error."""
+    ``RuntimeError`` that names ``path`` and each process's first error; an interrupt
+    (``KeyboardInterrupt``, ``SystemExit``) that DCP wrapped reaches the caller as itself."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         # DCP's writer asks each shard's piece for its storage (to copy a view of a larger one).
@@ -198,6 +199,9 @@ def dcp_call(action: str, path: Path) -> Iterator[None]:
         try:
             yield
         except CheckpointException as error:
+            for failure, _ in error.failures.values():
+                if not isinstance(failure, Exception):  # an interrupt (KeyboardInterrupt, SystemExit) as itself
+                    raise failure from None
             failures = "; ".join(f"process {rank}: {type(failure).__name__}: {failure}"
                                  for rank, (failure, _) in sorted(error.failures.items()))
             raise RuntimeError(f"{action}: DCP failed on the checkpoint {str(path)!r}: {failures}") from error

@@ -72,9 +72,9 @@ class Pipe(nn.Module):
             ``torch.nn.CrossEntropyLoss()``. Its ``reduction`` (``"mean"`` or
             ``"sum"``) and ``ignore_index`` attributes say how the devices executor
             weighs the microbatches' losses (:mod:`xpipe.reduction`); a function
-            without them is taken to mean over rows, checked on its first step
-            and on the first batch whose ignored (-100) targets tell the two apart
-            (declare them for a loss that ignores targets: see docs/api.md).
+            without them (or a ``functools.partial`` of torch's loss function that
+            gives them) is taken to mean over rows, checked on its first step and
+            on every batch whose targets tell the two apart (see docs/api.md).
         checkpoint: ``"always"``, ``"except_last"`` or ``"never"``: which
             microbatches recompute their stage activations in the backward pass.
         deferred_batch_norm: devices executor: BatchNorm layers normalise each

@@ -13,7 +13,9 @@ Hugging Face model computes from ``labels=``.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -33,24 +35,61 @@ _ELEMENTWISE_FUNCTIONS = (F.mse_loss, F.l1_loss, F.smooth_l1_loss, F.huber_loss,
 Items = torch.Tensor | int  # how many items a microbatch's loss averages over
 
 
+@dataclass(frozen=True)
+class Declared:
+    """How a loss says it reduces: ``reduction`` ("mean" or "sum"), the target value it
+    ignores (None: ignores none) and its class weights (None: none)."""
+
+    reduction: str
+    ignore_index: int | None = None
+    weight: torch.Tensor | None = None
+
+
+def declared(loss_fn: Callable[..., Any]) -> Declared | None:
+    """How ``loss_fn`` reduces, where it says so: a ``reduction`` attribute (torch's loss
+    modules have one, with ``ignore_index`` and ``weight`` where they take them; a
+    function may be given them), one of torch's own loss functions, or a
+    ``functools.partial`` of one with its options given by keyword. None otherwise."""
+    if isinstance(loss_fn, functools.partial) and not loss_fn.args and _is_torch_loss(loss_fn.func):
+        options = loss_fn.keywords
+        default = IGNORE_INDEX if loss_fn.func in _IGNORING_FUNCTIONS else None
+        return Declared(options.get("reduction", "mean"), options.get("ignore_index", default), options.get("weight"))
+    if hasattr(loss_fn, "reduction"):
+        weight = getattr(loss_fn, "weight", None)
+        return Declared(loss_fn.reduction, getattr(loss_fn, "ignore_index", None),
+                        weight if isinstance(weight, torch.Tensor) else None)
+    if _is_torch_loss(loss_fn):
+        return Declared("mean", IGNORE_INDEX if loss_fn in _IGNORING_FUNCTIONS else None)
+    return None
+
+
+def _is_torch_loss(fn: Any) -> bool:
+    return any(fn is known for known in (*_IGNORING_FUNCTIONS, *_ELEMENTWISE_FUNCTIONS))
+
+
 def declares_reduction(loss_fn: Callable[..., Any]) -> bool:
-    """Whether ``loss_fn`` says how it reduces: a ``reduction`` attribute (torch's loss
-    modules have one; a function may be given one), or one of torch's own functions."""
-    return hasattr(loss_fn, "reduction") or loss_fn in _IGNORING_FUNCTIONS or loss_fn in _ELEMENTWISE_FUNCTIONS
+    """Whether ``loss_fn`` says how it reduces (:func:`declared`)."""
+    return declared(loss_fn) is not None
 
 
 def tells_reductions_apart(targets: list[Any]) -> bool:
     """Whether the microbatches' ``targets`` (on the host) weigh differently counted by
-    rows and counted by the targets that are not ``IGNORE_INDEX``: the batches on which
+    rows and counted by the targets that are not some one value: the batches on which
     a loss that says nothing of how it reduces can be told apart from one that ignores
-    -100 (the default of torch's losses and of Hugging Face labels). Float targets
-    ignore nothing, so any batch of them tells it."""
+    a target value (-100, the default of torch's losses and of Hugging Face labels, or
+    any other). Float targets ignore nothing: no batch of them tells anything that
+    the first step's check did not."""
     firsts = [tree_flatten(target)[0][0] for target in targets]
     if firsts[0].is_floating_point():
-        return True
-    counted = [int((first != IGNORE_INDEX).sum()) for first in firsts]
+        return False
     row_counts = [rows(target) for target in targets]
-    return any(count * sum(row_counts) != sum(counted) * row_count for count, row_count in zip(counted, row_counts))
+    counts = [dict(zip(*(part.tolist() for part in first.unique(return_counts=True)))) for first in firsts]
+    sizes = [first.numel() for first in firsts]
+    for value in set().union(*counts):
+        counted = [size - count.get(value, 0) for size, count in zip(sizes, counts)]
+        if any(kept * sum(row_counts) != sum(counted) * row_count for kept, row_count in zip(counted, row_counts)):
+            return True
+    return False
 
 
 def loss_fn_items(loss_fn: Callable[..., Any], target: Any) -> Items | None:
@@ -60,20 +99,19 @@ def loss_fn_items(loss_fn: Callable[..., Any], target: Any) -> Items | None:
     Raises:
         ValueError: a ``reduction`` other than ``"mean"`` and ``"sum"``.
     """
-    reduction = getattr(loss_fn, "reduction", "mean")
-    if reduction == "sum":
+    how = declared(loss_fn) or Declared("mean")
+    if how.reduction == "sum":
         return None
-    if reduction != "mean":
-        raise ValueError(f"loss_fn: its reduction is {reduction!r}; pipe.step needs a loss that reduces to a "
+    if how.reduction != "mean":
+        raise ValueError(f"loss_fn: its reduction is {how.reduction!r}; pipe.step needs a loss that reduces to a "
                          "scalar ('mean' or 'sum')")
-    ignore_index = IGNORE_INDEX if loss_fn in _IGNORING_FUNCTIONS else getattr(loss_fn, "ignore_index", None)
     first = tree_flatten(target)[0][0]
-    if ignore_index is None or first.is_floating_point():
+    if how.ignore_index is None or first.is_floating_point():
         return rows(target)
-    valid = first != ignore_index
-    weight = getattr(loss_fn, "weight", None)  # nn.CrossEntropyLoss divides by the targets' class weights
-    if isinstance(weight, torch.Tensor):
-        return (weight.to(first.device)[first.clamp(min=0)] * valid).sum()
+    valid = first != how.ignore_index
+    if how.weight is not None:  # nn.CrossEntropyLoss divides by the counted targets' class weights
+        classes = torch.where(valid, first, torch.zeros_like(first))  # an ignore index may lie outside the classes
+        return (how.weight.to(first.device)[classes] * valid).sum()
     return valid.sum()
 
 

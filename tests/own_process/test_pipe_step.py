@@ -8,6 +8,7 @@ order than one batched backward).
 """
 
 import copy
+import functools
 
 import pytest
 import torch
@@ -77,10 +78,10 @@ def test_a_sum_reducing_loss_and_a_ragged_last_batch():
                         chunks=4, stages=2, schedule="1f1b", executor="devices")
 
 
-def ignored_unevenly(rows: int) -> torch.Tensor:
-    """Class labels with the first microbatch's (of 4) first rows ignored (-100)."""
+def ignored_unevenly(rows: int, ignored: int = -100) -> torch.Tensor:
+    """Class labels with the first microbatch's (of 4) first rows ignored (-100, or ``ignored``)."""
     target = labels(rows)
-    target[:rows // 4 - 1] = -100
+    target[:rows // 4 - 1] = ignored
     return target
 
 
@@ -186,7 +187,33 @@ def test_an_undeclared_loss_is_checked_again_on_the_first_batch_that_tells_it_ap
                            executor="devices", loss_fn=lambda output, t: F.mse_loss(output, t))
     for _ in range(2):
         rows_mean.step(batch, torch.randn(16, 10))
-    assert rows_mean.runner.settled_losses == rows_mean.runner.checked_losses, "float targets settle it at once"
+    assert len(rows_mean.runner.checked_losses) == 1, "float targets settle it at once"
+
+
+def test_an_undeclared_loss_that_ignores_another_value_is_refused_on_the_batch_that_shows_it():
+    """A plain function around a loss that ignores -1 (not -100): settled on unpadded
+    batches before, it was then weighted by rows on a batch with -1s (silently); now
+    every batch in which some value would weigh the microbatches otherwise is checked."""
+    ignoring = torch.nn.CrossEntropyLoss(ignore_index=-1)
+    pipe = xpipe.Pipe(mlp_stack(blocks=4, width=16, inputs=8, outputs=10), chunks=4, stages=2, executor="devices",
+                      loss_fn=lambda output, t: ignoring(output, t))
+    batch = torch.randn(16, 8)
+    for _ in range(2):
+        pipe.step(batch, labels(16))
+    with pytest.raises(ValueError, match=r"it does not mean over rows \(it sums, or ignores some targets\)"):
+        pipe.step(batch, ignored_unevenly(16, ignored=-1))
+
+
+@pytest.mark.parametrize("loss_fn, ignored", [
+    (functools.partial(F.cross_entropy, ignore_index=-1), -1),
+    (functools.partial(F.nll_loss, ignore_index=-1), -1),
+    (torch.nn.CrossEntropyLoss(weight=torch.linspace(0.5, 2.0, 10), ignore_index=255), 255),
+], ids=["partial-cross-entropy", "partial-nll", "class-weights-ignoring-255"])
+def test_losses_that_ignore_another_value_are_read_from_torchs_own_objects(loss_fn, ignored):
+    """torch's loss objects and partials of its functions say what they ignore (with
+    class weights, an ignore index past the classes raised an IndexError inside xpipe)."""
+    assert_step_matches(mlp_stack(blocks=4, width=16, inputs=8, outputs=10), torch.randn(16, 8),
+                        ignored_unevenly(16, ignored=ignored), loss_fn, chunks=4, stages=2, executor="devices")
 
 
 def test_inputs_that_require_grad_get_their_gradient():

@@ -134,7 +134,6 @@ class DevicesPipeline(nn.Module):
         self._held_bytes = [0] * len(devices)
         self._flush_pending = False
         self.checked_losses: list[Callable] = []  # undeclared loss_fns a step confirmed to mean over rows
-        self.settled_losses: list[Callable] = []  # those confirmed on a batch that tells the reductions apart
         self.state = ModuleState(module)  # out of the module tree: its parameters are the stages' own
 
     @property
@@ -212,9 +211,10 @@ class DevicesPipeline(nn.Module):
         wanted = [(key, x) for key, x in keyed_leaves(self.staged.inputs, inputs)
                   if isinstance(x, torch.Tensor) and x.requires_grad]
         step = Step(self, cells, split, microbatch_dim, differentiating=True, input_grads=[key for key, _ in wanted])
-        unsettled = not declares_reduction(loss_fn) and loss_fn not in self.settled_losses
-        telling = unsettled and tells_reductions_apart(on_host(targets))  # no host copy once settled
-        check = unsettled and (telling or loss_fn not in self.checked_losses)
+        # A loss that does not say how it reduces is checked on its first step, and on every batch whose
+        # targets would weigh the microbatches otherwise if it ignored some target value.
+        undeclared = not declares_reduction(loss_fn)
+        check = undeclared and (loss_fn not in self.checked_losses or tells_reductions_apart(on_host(targets)))
         step.loss = StepLoss(loss_fn, targets, self.stage_devices[-1], check)
         grads_before = saved_grads([*self.state.module.parameters(), *(x for _, x in wanted)]) if check else {}
         with _guard_failures_explained():
@@ -224,10 +224,8 @@ class DevicesPipeline(nn.Module):
         step.gradients.accumulate_into_grads([x for _, x in wanted])
         if check:
             try:
-                if step.loss.check_reduction(microbatch_dim, step.scalar_shares):
+                if step.loss.check_reduction(microbatch_dim, step.scalar_shares) and loss_fn not in self.checked_losses:
                     self.checked_losses.append(loss_fn)
-                    if telling:
-                        self.settled_losses.append(loss_fn)
             except ValueError:
                 restore_grads(grads_before)  # a refused step leaves every gradient as it was
                 raise

@@ -27,8 +27,8 @@ class StepLoss:
     :mod:`xpipe.reduction`), by 1 for one whose ``reduction`` is ``"sum"``.
 
     A ``loss_fn`` that does not say how it reduces (a function of the user's) is taken
-    to mean over rows, and checked on its first step and on the first batch that tells
-    the reductions apart (:func:`xpipe.reduction.tells_reductions_apart`): if ``loss_fn``
+    to mean over rows, and checked on its first step and on every batch that tells the
+    reductions apart (:func:`xpipe.reduction.tells_reductions_apart`): if ``loss_fn``
     of the whole batch differs from the weighted microbatch losses, the step raises.
     """
 

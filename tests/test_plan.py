@@ -11,6 +11,7 @@ import sys
 import pytest
 import torch
 from hf_models import llama, tokens
+from tiers import in_full_tier
 from transformers import LlamaConfig
 
 import xpipe
@@ -230,6 +231,10 @@ def test_the_python_api_names_what_is_missing():
     (dict(gathers="block"), ValueError, r"gathers: a tuple of some of 'step', 'block', got 'block'"),
     (dict(padding_mask="yes"), TypeError, r"padding_mask: expected True or False .* got 'yes'"),
     (dict(sequence_parallel=1), TypeError, r"sequence_parallel: expected True or False \(Pipe's\), got 1"),
+    (dict(memory_per_device=64 * GiB), ValueError, r"memory_per_device: 64.00 GiB is more than a TPU v5e holds "
+                                                   r"\(16.00 GiB of HBM\).*over_chip_memory=True"),
+    (dict(gathers=("block",), checkpoints=("except_last",)), ValueError,
+     r"gathers: gather 'block' .* recomputes every block .* add 'always' to them \(--checkpoint always\)"),
 ])
 def test_every_argument_is_checked_before_planning(arguments, error, message):
     with pytest.raises(error, match=message):
@@ -298,3 +303,68 @@ def test_key_value_heads_the_tensor_size_does_not_divide_are_planned_whole_as_pi
     kept = [name.rsplit(".", 2)[-2] for name, dim in dims.items() if dim is None and "proj" in name]
     assert kept == ["k_proj", "v_proj"]
     assert any(p.layout.tensor == 2 for p in xpipe.plan(profile, devices=8, batch=16).fitting)
+
+
+def test_a_budget_above_the_chip_is_planned_only_when_asked_for(capsys):
+    """Layouts needing four times a v5e's memory were called fitting with --memory 64GiB."""
+    with pytest.raises(SystemExit):
+        main(["llama3-8b", "--devices", "8", "--batch", "8", "--memory", "64GiB"])
+    assert "--over-chip-memory" in capsys.readouterr().err
+    over = xpipe.plan(LlamaConfig(**SMALL), devices=8, batch=16, memory_per_device=64 * GiB, over_chip_memory=True)
+    assert over.capacity == 64 * GiB and over.fitting
+
+
+def test_sequence_parallelism_is_not_planned_for_a_stream_without_a_sequence_dim():
+    """An MLP stack passes [batch, features]: Pipe refuses sequence_parallel=True for it."""
+    from xpipe.models import mlp_stack
+
+    with pytest.raises(ValueError, match=r"sequence_parallel: Sequential.s blocks pass a stream of 2 dims"):
+        xpipe.plan(mlp_stack(blocks=4, width=16, inputs=8, outputs=10), devices=8, batch=16,
+                   sample_input=torch.randn(2, 8), sequence_parallel=True)
+
+
+def test_gemma2_is_planned_as_pipe_stacks_it_a_sliding_and_a_global_layer_a_block():
+    """Its layers alternate two masks: Pipe stacks them two at a time, and the plan
+    counted twice as many blocks (so it listed stage counts Pipe refuses)."""
+    from hf_models import gemma2
+
+    from xpipe.build import ModelCapture
+
+    model = gemma2(4)
+    stacked = ModelCapture(model, {"input_ids": tokens(2, 8)}).stacked()
+    profile = profile_of_config(model.config, seq=8, itemsize=4)
+    assert profile.blocks == len(stacked.blocks) == 2
+    assert sum(math.prod(shape) for _, shape in profile.block_weights) == \
+        sum(p.numel() for p in stacked.blocks[0].parameters())
+    assert all(p.layout.stages <= 2 for p in xpipe.plan(model.config, devices=8, batch=16, seq=8).refused)
+
+
+PLANNED_MODELS = {
+    "llama": lambda: (llama(4), {"input_ids": tokens(2, 8)}),
+    "encoder": lambda: (__import__("hf_models").EncoderStack(), torch.randn(2, 8, 32)),
+}
+
+
+@pytest.mark.parametrize("family", ["llama", in_full_tier("encoder")])
+def test_every_layout_the_planner_lists_is_one_pipe_builds(family):
+    """Each layout, fitting or not, passes every check the spmd executor makes before
+    it touches a device (``xpipe.build.checked_spmd_layout``, which Pipe's build runs),
+    with sequence parallelism and without."""
+    from xpipe.build import ModelCapture, Options, checked_spmd_layout
+    from xpipe._checks import check_gather
+    from xpipe.tensor_rules import check_rules
+
+    model, sample = PLANNED_MODELS[family]()
+    capture = ModelCapture(model, sample)
+    fewest_chunks = {}  # what the checks read of a layout; of its chunk counts, the fewest (the ring's bound)
+    for sequence_parallel in (False, True):
+        planned = xpipe.plan(model, devices=8, batch=16, sample_input=sample, sequence_parallel=sequence_parallel)
+        for layout in (p.layout for p in planned.fitting + planned.refused):
+            check_gather(layout.gather, layout.checkpoint)  # Pipe's own, before the build
+            key = (layout.stages, layout.tensor, layout.schedule, layout.virtual, layout.sequence_parallel)
+            fewest_chunks[key] = min(fewest_chunks.get(key, layout.chunks), layout.chunks)
+    for (stages, tensor, schedule, virtual, sequence_parallel), chunks in fewest_chunks.items():
+        options = Options(chunks, stages, None, None, schedule, virtual, "always", False, check_rules(None), "step",
+                          sequence_parallel)
+        checked_spmd_layout(capture, options, stages, tensor)
+    assert len(fewest_chunks) > 8

@@ -33,6 +33,7 @@ from xpipe.partition import Partition, partition_captured, rebalanced, spmd_bala
 from xpipe.schedule import Schedule, by_name, check_ring_chunks
 from xpipe.spmd.executor import SCHEDULES as SPMD_SCHEDULES
 from xpipe.spmd.executor import SpmdPipeline, padded_chunks
+from xpipe.spmd.sequence_parallel import check_sequence_dim
 from xpipe.spmd.stacking import StackedModel, block_inputs, cut_for_stacking, vmappable
 from xpipe.tensor_inference import CannotInfer, infer_tensor_dims
 from xpipe.tensor_rules import (Packed, Rule, Rules, check_convolutions, check_head_counts, covered_by,
@@ -127,19 +128,50 @@ def choose_executor(executor: str, capture: ModelCapture, options: Options) -> s
     return "spmd" if fits else "devices"
 
 
+class SpmdLayout(NamedTuple):
+    """What the spmd executor runs for a Pipe's options, read and checked before any
+    device work: the schedule, the partition, each block weight's split dim over
+    "tensor", and the block templates (packed and joined projections rewritten)."""
+
+    schedule: Schedule
+    partition: Partition
+    dims: list[int | None]
+    templates: dict[bool, torch.fx.GraphModule]
+    packed: list[PackedLinear]
+
+
 def build_spmd(capture: ModelCapture, options: Options) -> Built:
     """The spmd executor over ``options.mesh`` (or ``make_mesh(stages)``), every
     argument checked before the process enters SPMD mode."""
+    module = capture.module
+    stages = spmd_stage_count(options.mesh, options.stages, options.balance, options.virtual)
+    tensor = axes_of(options.mesh).tensor if options.mesh is not None else 1
+    layout = checked_spmd_layout(capture, options, stages, tensor)
+    stacked = capture.stacked()
+    mesh = options.mesh if options.mesh is not None else make_mesh(stages)  # the process enters SPMD mode here
+    device = spmd_device()
+    rebind(module, move_keeping_ties([stacked.pre, stacked.post], device))
+    for piece in {stacked.pre, *stacked.blocks, stacked.post, *layout.templates.values()}:  # templates' constants
+        place_constants_on(piece, device)
+    runner = SpmdPipeline(stacked, mesh, layout.schedule, options.chunks, options.checkpoint, device,
+                          tie_groups(module), layout.dims, options.gather, layout.templates, layout.packed,
+                          options.sequence_parallel)
+    retire(module, [p for block in stacked.blocks for p in block.parameters()])
+    return Built(runner, layout.partition, layout.schedule, mesh, [device])
+
+
+def checked_spmd_layout(capture: ModelCapture, options: Options, stages: int, tensor: int) -> SpmdLayout:
+    """Every check the spmd executor makes of ``options`` on ``stages`` stages and
+    ``tensor`` tensor devices, and what they read: touches no device, so the planner's
+    tests can ask it of every layout the planner lists."""
     module = capture.module
     if options.schedule not in SPMD_SCHEDULES:
         raise ValueError(f"schedule: the spmd executor runs {' and '.join(map(repr, SPMD_SCHEDULES))} (its "
                          f"clock loop is GPipe's fill-drain, once or round the stage ring), not {options.schedule!r}; "
                          "use one of those, or executor='devices'")
-    stages = spmd_stage_count(options.mesh, options.stages, options.balance, options.virtual)
     if options.schedule == "circular":  # what the ring cannot run is refused for the chunks asked for
         check_ring_chunks(stages, options.chunks, options.virtual)
     schedule = by_name(options.schedule, stages, padded_chunks(options.chunks, stages), options.virtual)
-    tensor = axes_of(options.mesh).tensor if options.mesh is not None else 1
     if options.sequence_parallel and tensor == 1:
         raise ValueError("sequence_parallel: it splits the stream's sequence over the mesh's \"tensor\" axis, and "
                          "this mesh has none (or one of size 1); build it with xpipe.make_mesh(..., tensor=N), "
@@ -158,15 +190,9 @@ def build_spmd(capture: ModelCapture, options: Options) -> Built:
     if tensor > 1:  # the backward then reduces the input gradient of each group of them once
         templates = _each_once(templates, lambda template: join_column_parallel(template, dim_of, tensor)[0])
     check_convolutions(stacked.blocks[0], dim_of)
-    mesh = options.mesh if options.mesh is not None else make_mesh(stages)  # the process enters SPMD mode here
-    device = spmd_device()
-    rebind(module, move_keeping_ties([stacked.pre, stacked.post], device))
-    for piece in {stacked.pre, *stacked.blocks, stacked.post, *templates.values()}:  # templates' constants are theirs
-        place_constants_on(piece, device)
-    runner = SpmdPipeline(stacked, mesh, schedule, options.chunks, options.checkpoint, device, tie_groups(module),
-                          dims, options.gather, templates, packed, options.sequence_parallel)
-    retire(module, [p for block in stacked.blocks for p in block.parameters()])
-    return Built(runner, partition, schedule, mesh, [device])
+    if options.sequence_parallel and capture.sample_input is not None:  # without one, the first forward checks
+        check_sequence_dim(tuple(block_inputs(stacked, capture.sample_input)[0].shape), "on the sample")
+    return SpmdLayout(schedule, partition, dims, templates, packed)
 
 
 def block_tensor_splits(capture: ModelCapture, tensor: int, rules: Rules | None) -> list[Rule]:

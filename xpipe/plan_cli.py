@@ -58,7 +58,10 @@ def _parser() -> argparse.ArgumentParser:
                                       "PACKAGE.MODULE:FUNCTION returning the model")
     parser.add_argument("--devices", type=int, required=True, help="chips in all")
     parser.add_argument("--chip", default="v5e", help=f"a preset: {', '.join(PRESETS)} (default: v5e)")
-    parser.add_argument("--memory", help="bytes a chip may hold, e.g. 16GiB (default: the chip's HBM)")
+    parser.add_argument("--memory", help="bytes a chip may hold, e.g. 16GiB (default: the chip's HBM; at most "
+                                         "that, unless --over-chip-memory)")
+    parser.add_argument("--over-chip-memory", action="store_true",
+                        help="allow --memory above the chip's HBM (to plan for a chip with more memory)")
     parser.add_argument("--batch", type=int, required=True, help="rows (sequences) of the global batch")
     parser.add_argument("--seq", type=int, default=2048, help="sequence length, for a config (default: 2048)")
     parser.add_argument("--padding-mask", action="store_true",
@@ -89,7 +92,7 @@ def _plan(arguments: argparse.Namespace) -> Plan:
                 sample_input=sample, seq=arguments.seq, itemsize=DTYPES[arguments.dtype],
                 optimizer_states=OPTIMIZER_STATES[arguments.optimizer], checkpoints=tuple(arguments.checkpoint),
                 gathers=tuple(arguments.gather), slices=arguments.slices, padding_mask=arguments.padding_mask,
-                sequence_parallel=arguments.sequence_parallel)
+                sequence_parallel=arguments.sequence_parallel, over_chip_memory=arguments.over_chip_memory)
 
 
 def _model(arguments: argparse.Namespace) -> tuple[Any, Any]:

@@ -158,7 +158,7 @@ def plan(model: nn.Module | ModelProfile | Any, *, devices: int, batch: int, chi
          itemsize: int | None = None, optimizer_states: int = 2,
          checkpoints: tuple[str, ...] = ("except_last", "always"), max_tensor: int = 8,
          tensor_rules: Rules | None = None, slices: int = 1, gathers: tuple[str, ...] = GATHERS,
-         padding_mask: bool = False, sequence_parallel: bool = False) -> Plan:
+         padding_mask: bool = False, sequence_parallel: bool = False, over_chip_memory: bool = False) -> Plan:
     """Every layout of ``model`` on ``devices`` chips for a global batch of ``batch``
     rows, predicted; those within ``memory_per_device`` (the chip's HBM by default)
     best first.
@@ -170,7 +170,8 @@ def plan(model: nn.Module | ModelProfile | Any, *, devices: int, batch: int, chi
         devices: chips in all.
         batch: rows of the global batch (sequences, for a language model).
         chip: a preset's name or a :class:`Chip`.
-        memory_per_device: bytes a device may hold.
+        memory_per_device: bytes a device may hold: at most the chip's HBM, unless
+            ``over_chip_memory``.
         sample_input: a few rows of the batch, as ``Pipe``'s, for an ``nn.Module``.
         seq: the sequence length, for a config.
         itemsize: bytes per element of the weights, their gradients and activations;
@@ -188,6 +189,8 @@ def plan(model: nn.Module | ModelProfile | Any, *, devices: int, batch: int, chi
             input says it itself.
         sequence_parallel: whether the layouts with "tensor" run ``Pipe``'s
             ``sequence_parallel=True``.
+        over_chip_memory: allow a ``memory_per_device`` above the chip's HBM (to
+            plan for a chip with more memory than the preset's, say).
 
     Raises:
         ValueError: naming the argument, for a bad count, size, chip or policy.
@@ -198,6 +201,11 @@ def plan(model: nn.Module | ModelProfile | Any, *, devices: int, batch: int, chi
     chip = preset(chip) if isinstance(chip, str) else chip
     capacity = chip.memory if memory_per_device is None else memory_per_device
     _check(devices=devices, batch=batch, capacity=capacity, slices=slices, max_tensor=max_tensor)
+    if capacity > chip.memory and not over_chip_memory:
+        raise ValueError(f"memory_per_device: {capacity / GiB:.2f} GiB is more than a {chip.name} holds "
+                         f"({chip.memory / GiB:.2f} GiB of HBM): layouts planned to it would not fit the chip. "
+                         f"Give at most {chip.memory} bytes, or pass over_chip_memory=True (--over-chip-memory) "
+                         "to plan for a chip with more memory")
     check_optimizer_states(optimizer_states)
     if not isinstance(padding_mask, bool):
         raise TypeError(f"padding_mask: expected True or False (whether the batches give an attention_mask), "
@@ -215,6 +223,14 @@ def plan(model: nn.Module | ModelProfile | Any, *, devices: int, batch: int, chi
         raise ValueError(f"gathers: a tuple of some of {', '.join(map(repr, GATHERS))}, got {gathers!r}")
     for gather in gathers:
         check_gather(gather)
+    if set(gathers) == {"block"} and "always" not in checkpoints:
+        raise ValueError(f"gathers: gather 'block' gathers each block's weights as it runs, and recomputes every "
+                         f"block (Pipe's checkpoint='always'); the checkpoints given are {list(checkpoints)}: add "
+                         "'always' to them (--checkpoint always), or gather per 'step'")
+    if sequence_parallel and profile.stream_rank < 3:
+        raise ValueError(f"sequence_parallel: {profile.name}'s blocks pass a stream of {profile.stream_rank} dims "
+                         "([batch, features]), with no sequence dim to split, and Pipe refuses "
+                         "sequence_parallel=True for it; plan without it")
     if slices > 1 and chip.dcn_bandwidth is None:
         raise ValueError(f"slices: {chip.name} has no published DCN bandwidth; give a Chip with dcn_bandwidth")
     predictions = [predict(profile, layout, chip=chip, batch=batch, capacity=capacity, itemsize=itemsize,
@@ -274,7 +290,7 @@ def layouts(profile: ModelProfile, devices: int, batch: int, checkpoints: tuple[
                 for chunks in _chunk_counts(stages):
                     if batch % (chunks * data * fsdp):
                         continue
-                    for schedule, virtual in _schedules(profile.blocks, stages):
+                    for schedule, virtual in _schedules(profile.blocks, stages, chunks):
                         for checkpoint in checkpoints:
                             yield Layout(stages, data, fsdp, tensor, chunks, schedule, virtual, checkpoint,
                                          sequence_parallel=split_sequence)
@@ -289,9 +305,11 @@ def _chunk_counts(stages: int) -> list[int]:
     return sorted({*_divisors(stages), *(stages * k for k in (2, 4, 8))})
 
 
-def _schedules(blocks: int, stages: int) -> list[tuple[str, int]]:
-    """GPipe, and circular with 2 and 4 rounds where every model stage holds a block."""
-    return [("gpipe", 1)] + [("circular", v) for v in (2, 4) if stages > 1 and blocks >= stages * v]
+def _schedules(blocks: int, stages: int, chunks: int) -> list[tuple[str, int]]:
+    """GPipe, and circular with 2 and 4 rounds where every model stage holds a block
+    and the microbatches fill the ring (as :func:`xpipe.schedule.check_ring_chunks` asks)."""
+    ring = stages > 1 and chunks >= stages
+    return [("gpipe", 1)] + [("circular", v) for v in (2, 4) if ring and blocks >= stages * v]
 
 
 def predict(profile: ModelProfile, layout: Layout, *, chip: Chip, batch: int, capacity: int | None = None,

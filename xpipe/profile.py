@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from xpipe.capture import trace_layers
-from xpipe.partition import entry_bytes, partition_captured
+from xpipe.partition import partition_captured
 from xpipe.spmd.stacking import StackedModel, block_inputs, cut_for_stacking
 from xpipe.tensor_inference import CannotInfer, infer_tensor_dims
 from xpipe.tensor_rules import (Packed, Rules, key_value_heads_of, query_head_counts, tensor_splits, unruled,
@@ -59,6 +59,7 @@ class ModelProfile:
     heads: tuple[int, ...] = ()  # the query head counts a tensor size must divide
     key_value_heads: int | None = None  # config.num_key_value_heads, where the model has one
     tokens_per_row: int = 0  # a row's sequence length, where known (a config's), for the loss's segments
+    stream_rank: int = 3  # dims of the tensor the blocks pass on ([batch, seq, features]: 3)
     # The split dims of the block weights no built-in rule names, read from the block's graph
     # (xpipe.tensor_inference) where it tells; empty otherwise.
     read_tensor_dims: tuple[tuple[str, int | Packed | None], ...] = ()
@@ -125,13 +126,10 @@ def profile_of_model(model: nn.Module, sample_input: Any) -> ModelProfile:
     itemsize = next(model.parameters()).element_size()
     try:
         stacked = cut_for_stacking(model, whole, sample_input, traced)
-    except ValueError:  # the spmd executor cannot stack it: what crosses into the body, as measured
-        stacked = None
-    if stacked is not None:
-        stream_bytes, hidden_bytes, width = _stream_measures(stacked, sample_input)
-    else:
-        stream_bytes = hidden_bytes = entry_bytes(graph)[repeated.start] / rows
-        width = None  # unknown: every saved tensor is planned split over "tensor"
+    except ValueError as error:
+        raise ValueError(f"model: the spmd executor cannot stack its blocks, so Pipe runs none of the layouts "
+                         f"xpipe-plan lists ({error})") from error
+    stream_bytes, hidden_bytes, width = _stream_measures(stacked, sample_input)
     block_stream_saved = min(sum(dict(graph.nodes[layer].get("activation_bytes_by_width", ())).get(width, 0)
                                  for layer in block_layers), WHOLE_STREAMS * hidden_bytes * rows)
     return ModelProfile(
@@ -146,7 +144,8 @@ def profile_of_model(model: nn.Module, sample_input: Any) -> ModelProfile:
         outer_saved_bytes_per_row=outer_saved / rows,
         itemsize=itemsize, heads=tuple(sorted(set(query_head_counts(model).values()))),
         key_value_heads=key_value_heads_of(model),
-        read_tensor_dims=_read_tensor_dims(stacked, sample_input, [name for name, _ in block_params]))
+        read_tensor_dims=_read_tensor_dims(stacked, sample_input, [name for name, _ in block_params]),
+        stream_rank=block_inputs(stacked, sample_input)[0].dim())
 
 
 def _stream_measures(stacked: StackedModel, sample_input: Any) -> tuple[float, float, int]:
@@ -161,11 +160,11 @@ def _stream_measures(stacked: StackedModel, sample_input: Any) -> tuple[float, f
             stream.shape[-1])
 
 
-def _read_tensor_dims(stacked: StackedModel | None, sample_input: Any,
+def _read_tensor_dims(stacked: StackedModel, sample_input: Any,
                       names: list[str]) -> tuple[tuple[str, int | Packed | None], ...]:
     """The splits read from the block's graph, where a block weight no built-in
     rule names needs them and the graph tells."""
-    if stacked is None or not unruled(names):
+    if not unruled(names):
         return ()
     try:
         return tuple(infer_tensor_dims(stacked.blocks[0], block_inputs(stacked, sample_input)).items())
@@ -198,7 +197,8 @@ def profile_of_config(config: Any, seq: int, itemsize: int = 2, padding_mask: bo
         raise ValueError(f"config: transformers cannot build a causal LM from it ({error}); give the config of a "
                          "decoder such as Llama, Mistral or Qwen2") from error
     block_names = _block_names(model)
-    block = model.get_submodule(block_names[0])
+    period = _layer_period(config, len(block_names))
+    first = block_names[:period]  # one block as Pipe stacks it: a period of layers that differ in kind
     in_blocks = {id(p) for name in block_names for p in model.get_submodule(name).parameters()}
     outer = {id(p): tuple(p.shape) for p in model.parameters() if id(p) not in in_blocks}
     hidden = config.hidden_size
@@ -207,20 +207,21 @@ def profile_of_config(config: Any, seq: int, itemsize: int = 2, padding_mask: bo
     head_dim = getattr(config, "head_dim", None) or hidden // heads
     intermediate = _intermediate_size(config, hidden)
     vocab = config.vocab_size
-    block_numel = sum(p.numel() for p in block.parameters())
+    block_numel = sum(p.numel() for name in first for p in model.get_submodule(name).parameters())
     # Per row of seq tokens: every weight's multiply-add once per token, and attention's
     # two seq x seq products (scores and the weighted sum) over all heads.
-    block_flops = 2 * seq * block_numel + 4 * seq * seq * heads * head_dim
+    block_flops = 2 * seq * block_numel + period * 4 * seq * seq * heads * head_dim
     # What eager PyTorch keeps for the backward of a Llama-like block (counted on
     # LlamaDecoderLayer with saved-tensor hooks): ten hidden-sized tensors per token,
     # k and v, four intermediate-sized ones per MLP (every expert's, in the dense form
     # xpipe runs experts in); and the attention probabilities, which XLA's attention
     # (not a flash kernel) materialises.
     inner = _inner_per_token(config, intermediate)
-    saved_elements = seq * (10 * heads * head_dim + 2 * kv_heads * head_dim + 4 * inner) + heads * seq * seq
+    saved_elements = period * (seq * (10 * heads * head_dim + 2 * kv_heads * head_dim + 4 * inner) + heads * seq * seq)
     return ModelProfile(
-        name=getattr(config, "name_or_path", "") or type(model).__name__, blocks=len(block_names),
-        block_weights=tuple((f"{block_names[0]}.{name}", tuple(p.shape)) for name, p in block.named_parameters()),
+        name=getattr(config, "name_or_path", "") or type(model).__name__, blocks=len(block_names) // period,
+        block_weights=tuple((f"{layer}.{name}", tuple(p.shape)) for layer in first
+                            for name, p in model.get_submodule(layer).named_parameters()),
         outer_weights=tuple(outer.values()),
         block_flops_per_row=block_flops, outer_flops_per_row=2 * seq * hidden * vocab,
         # The hidden state, and a padding mask's [rows, 1, seq, seq] form, which travels with
@@ -228,10 +229,21 @@ def profile_of_config(config: Any, seq: int, itemsize: int = 2, padding_mask: bo
         stream_bytes_per_row=seq * (hidden + (seq if padding_mask else 0)) * itemsize,
         hidden_bytes_per_row=seq * hidden * itemsize,
         block_saved_bytes_per_row=saved_elements * itemsize,
-        block_stream_saved_bytes_per_row=WHOLE_STREAMS * seq * hidden * itemsize,
+        block_stream_saved_bytes_per_row=period * WHOLE_STREAMS * seq * hidden * itemsize,
         # The logits in the model's dtype, their float32 copy for the loss, and its gradient.
         outer_saved_bytes_per_row=seq * vocab * (itemsize + 8), itemsize=itemsize,
         heads=(heads,), key_value_heads=kv_heads, tokens_per_row=seq)
+
+
+def _layer_period(config: Any, layers: int) -> int:
+    """How many layers one stacked block holds: the period of ``config.layer_types``
+    (Gemma 2's alternate between sliding-window and global attention, and Pipe stacks
+    one of each as a block, as their masks alternate), 1 where every layer is alike."""
+    kinds = list(getattr(config, "layer_types", None) or [])
+    if len(kinds) != layers:
+        return 1
+    return next(period for period in range(1, layers + 1)
+                if layers % period == 0 and all(kinds[i] == kinds[i % period] for i in range(layers)))
 
 
 def _intermediate_size(config: Any, hidden: int) -> int:

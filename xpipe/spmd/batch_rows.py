@@ -11,6 +11,8 @@ mixes, silently. These checks refuse both, naming the tensor and the fix.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -57,7 +59,7 @@ def check_rows_stay_apart(block: torch.fx.GraphModule, stream: torch.Tensor, sid
     if stream.shape[0] < 2 or not stream.is_floating_point() or stream.is_meta:
         return
     first = [side[:1] if rows else side for side, rows in zip(sides, side_rows)]
-    with torch.no_grad(), _WithoutDropout():
+    with torch.no_grad(), _in_eval_mode(block), _WithoutDropout():
         together = block(stream, *sides)[:1].float()
         alone = block(stream[:1], *first).float()
     scale = together.abs().max().clamp_min(1e-6)
@@ -71,9 +73,23 @@ def check_rows_stay_apart(block: torch.fx.GraphModule, stream: torch.Tensor, sid
             "transpose to batch-first outside the repeated blocks")
 
 
+@contextlib.contextmanager
+def _in_eval_mode(block: torch.nn.Module) -> Iterator[None]:
+    """``block``'s modules in eval mode (their dropout off), then as they were."""
+    modes = {module: module.training for module in block.modules()}
+    block.eval()
+    try:
+        yield
+    finally:
+        for module, training in modes.items():
+            module.training = training
+
+
 class _WithoutDropout(TorchFunctionMode):
     """Dropout as the identity (and attention without its dropout), so that a block's
-    output on a row does not depend on how many rows drew masks with it."""
+    output on a row does not depend on how many rows drew masks with it: for the
+    dropout a capture wrote into the graph (torch.export's, in train mode), which
+    eval mode does not reach."""
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}

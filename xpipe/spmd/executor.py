@@ -49,7 +49,7 @@ from xpipe.spmd.lowering import ShardableOps
 from xpipe.spmd.ordering import after_gradient, behind, fenced, read_after, tied_to
 from xpipe.spmd.placement import Placement
 from xpipe.spmd.segmented_loss import LossOverSegments
-from xpipe.spmd.sequence_parallel import SequenceSlices
+from xpipe.spmd.sequence_parallel import SequenceSlices, check_sequence_dim
 from xpipe.spmd.sides import Packing, packing_for
 from xpipe.spmd.stacked_weights import StackedWeights
 from xpipe.spmd.stacking import StackedModel
@@ -172,10 +172,8 @@ class SpmdPipeline(nn.Module):
         outer = self.placement.gathered_outer([self.pre, self.post])
         with ShardableOps(), self.batch_norm.updating():
             stream, *rest = _as_tuple(functional_call(self.pre, outer[self.pre], natural))
-        if self.sequence_parallel and stream.dim() < 3:
-            raise ValueError(f"sequence_parallel: the stream between the blocks is {tuple(stream.shape)}, with no "
-                             "sequence dim to split (it splits dim 1 of [batch, seq, ..., features]); leave "
-                             "sequence_parallel off for this model")
+        if self.sequence_parallel:  # checked by the build where a sample_input showed the stream
+            check_sequence_dim(tuple(stream.shape), "on this batch")
         sides, skips = rest[:len(self.side_rows)], rest[len(self.side_rows):]
         per_row = [side for side, rows in zip(sides, self.side_rows) if rows]
         constants = tuple(side for side, rows in zip(sides, self.side_rows) if not rows)

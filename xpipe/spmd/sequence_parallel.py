@@ -95,3 +95,12 @@ class SequenceSlices(TorchFunctionMode):
         if func in _ADDS and isinstance(out, torch.Tensor) and tuple(out.shape) == self.shape:
             return self.sliced(out)
         return out
+
+
+def check_sequence_dim(shape: tuple[int, ...], read: str) -> None:
+    """Refuse sequence parallelism for a stream of ``shape`` (``read``: where it was
+    seen) that has no sequence dim to split."""
+    if len(shape) < 3:
+        raise ValueError(f"sequence_parallel: the stream between the blocks is {tuple(shape)} {read}, with no "
+                         "sequence dim to split (it splits dim 1 of [batch, seq, ..., features]); leave "
+                         "sequence_parallel off for this model")

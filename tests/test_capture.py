@@ -307,3 +307,28 @@ def test_a_side_input_with_rows_folded_into_another_dim_is_refused_by_name():
     with pytest.raises(ValueError, match=r"dim 0 \(8 on a sample of 2 rows\) grows with the batch but is not its "
                                          r"rows.*executor='devices'"):
         ModelCapture(model, torch.randint(0, 128, (2, 8))).stacked()
+
+
+class MaskedBlock(nn.Module):
+    """A block with a boolean constant (a buffer outside the model's state)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+        self.register_buffer("keep", torch.tensor([True, False] * 4), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.where(self.keep, self.linear(x), x)
+
+
+def test_a_boolean_constant_in_the_blocks_stacks():
+    """It failed inside the check of integer constants ("abs_cpu not implemented for 'Bool'")."""
+    from xpipe.build import ModelCapture
+
+    model = nn.Sequential(*[MaskedBlock() for _ in range(4)])
+    stacked = ModelCapture(model, torch.randn(2, 8)).stacked()
+    x = torch.randn(3, 8)
+    hidden = stacked.pre(x)  # no side input: the stream alone
+    for block in stacked.blocks:
+        hidden = block(hidden)
+    torch.testing.assert_close(stacked.post(hidden), model(x), rtol=1e-5, atol=1e-6)

@@ -102,6 +102,25 @@ def test_a_transposed_weight_is_read_as_a_linear_and_features_reduced_across_sta
         "gate.weight": None, "gate.bias": None, "up.weight": 0, "up.bias": 0, "down.weight": 1, "down.bias": None}
 
 
+class Normalized(nn.Module):
+    """A linear whose output is read whole: ``F.normalize`` divides by the norm over its
+    features (``expand_as`` reads the split features for their shape only)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down, self.proj = nn.Linear(16, 32), nn.Linear(32, 16), nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.down(torch.relu(self.up(x)))
+        return x + F.normalize(self.proj(x), dim=-1)
+
+
+def test_a_linear_whose_output_is_normalized_over_its_features_stays_whole():
+    """Refused before, naming tensor_rules, where the docs say such a linear stays whole."""
+    assert infer_tensor_dims(Normalized(), [torch.randn(2, 4, 16)]) == {
+        "up.weight": 0, "up.bias": 0, "down.weight": 1, "down.bias": None, "proj.weight": None, "proj.bias": None}
+
+
 class Rolled(nn.Module):
     """Features moved by an operation the inference does not know (a roll along them)."""
 

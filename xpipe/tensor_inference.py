@@ -94,6 +94,7 @@ _TAKE_APART = {"split": 2, "split_with_sizes": 2, "chunk": 2, "unbind": 1, "tens
 _ATTENTION = {"scaled_dot_product_attention", "_scaled_dot_product_flash_attention_for_cpu",
               "_scaled_dot_product_efficient_attention", "_scaled_dot_product_flash_attention"}
 _LAYER_NORMS = {"layer_norm", "native_layer_norm", "rms_norm"}
+_SHAPED_LIKE = {"expand_as", "view_as", "reshape_as"}  # read their second tensor's shape, not its values
 _IGNORED = {"_assert_tensor_metadata", "sym_size", "sym_numel", "sym_stride", "_assert_scalar"}
 
 
@@ -214,6 +215,8 @@ class _Reading:
 
     def _call(self, node: torch.fx.Node) -> Any:
         op, inputs = _op(node), node.all_input_nodes
+        if op in _SHAPED_LIKE:  # the second tensor gives a shape only
+            inputs = inputs[:1]
         if op in ("t", "numpy_T", "transpose", "permute") and inputs[0] in self.params and len(_shape(node)) == 2:
             self.transposed[node] = inputs[0]
             return None

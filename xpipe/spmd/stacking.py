@@ -361,7 +361,8 @@ def _check_alike(blocks: list[torch.fx.GraphModule], module: nn.Module) -> None:
     in_state = {id(tensor) for tensor in module.state_dict(keep_vars=True).values()}
     constants = [buffer for _, buffer in blocks[0].named_buffers()]  # per block names differ (lifted_tensor_2, ...)
     large = [name for name, buffer in blocks[0].named_buffers()
-             if not buffer.is_floating_point() and buffer.numel() and int(buffer.abs().max()) >= 2**24]
+             if not buffer.is_floating_point() and buffer.dtype != torch.bool and buffer.numel()
+             and int(buffer.abs().max()) >= 2**24]
     if large:
         raise ValueError(f"module: block 0's integer constants {large} hold values of 2**24 or more, which the "
                          "stacked body cannot carry exactly: use executor='devices'")

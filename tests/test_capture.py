@@ -199,62 +199,47 @@ class BuiltFromTheBatchSize(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.size(0)
         scale = torch.linspace(-1, 1, 8).expand(rows, 8)
-        offset = torch.arange(rows, dtype=x.dtype).unsqueeze(1).expand(rows, 8)
+        offset = self.row_values(torch.arange(rows, dtype=x.dtype)).unsqueeze(1).expand(rows, 8)
         for block in self.blocks:
             x = block(x, scale, offset)
         return x
 
-
-class EqualInGroupsOfFour(nn.Module):
-    """Blocks that read a tensor built from the batch's size alone whose rows are equal
-    in groups of four: equal on a two-row sample, and on four rows, not on eight."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.blocks = nn.ModuleList(ScaleAndOffset() for _ in range(4))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.size(0)
-        scale = torch.linspace(-1, 1, 8).expand(rows, 8)
-        group = torch.arange(rows, dtype=x.dtype).div(4, rounding_mode="floor")
-        offset = group.unsqueeze(1).expand(rows, 8)
-        for block in self.blocks:
-            x = block(x, scale, offset)
-        return x
+    def row_values(self, index: torch.Tensor) -> torch.Tensor:
+        return index
 
 
-def test_rows_equal_on_the_sample_but_not_by_construction_travel_with_their_rows():
-    """Held once only when proven from the graph: rows equal in groups of four pass
-    any check on a sample of two or four rows, and were broadcast from the first row
-    (a loss wrong by nearly 3x at 8 rows)."""
+class EqualInGroupsOfFour(BuiltFromTheBatchSize):
+    """``offset``'s rows are equal in groups of four: equal on a sample of two rows,
+    and of four, not on eight."""
+
+    def row_values(self, index: torch.Tensor) -> torch.Tensor:
+        return index.div(4, rounding_mode="floor")
+
+
+def through_stacked(stacked, x: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """``x`` through a cut model's pre, blocks and post, on the host; and the side
+    inputs the blocks read (a side held once is one row, which each block broadcasts)."""
+    hidden, *rest = stacked.pre(x)
+    sides, skips = rest[:len(stacked.side_rows)], rest[len(stacked.side_rows):]
+    for block in stacked.blocks:
+        hidden = block(hidden, *sides)
+    (output,) = stacked.post(hidden, *skips)  # torch.export's flat outputs
+    return output, sides
+
+
+@pytest.mark.parametrize("model", [BuiltFromTheBatchSize(), EqualInGroupsOfFour()], ids=type)
+def test_a_side_input_is_held_as_one_row_only_where_the_graph_proves_its_rows_equal(model):
+    """``scale`` (linspace expanded to the batch) is held once and broadcast in each
+    block. ``offset`` travels with its rows: each row's index in one model, the index
+    in groups of four in the other, whose rows are equal on a sample of two or four
+    rows and were broadcast from the first (a loss off by nearly 3x at 8 rows)."""
     from xpipe.build import ModelCapture
 
-    model = EqualInGroupsOfFour()
     stacked = ModelCapture(model, torch.randn(2, 8)).stacked()
     assert stacked.side_rows == (False, True)
     x = torch.randn(8, 8)
-    hidden, scale, offset = stacked.pre(x)[:3]
+    output, (scale, offset) = through_stacked(stacked, x)
     assert scale.shape == (1, 8) and offset.shape == (8, 8)
-    for block in stacked.blocks:
-        hidden = block(hidden, scale, offset)
-    (output,) = stacked.post(hidden, *stacked.pre(x)[3:])
-    torch.testing.assert_close(output, model(x), rtol=1e-5, atol=1e-6)
-
-
-def test_a_side_input_whose_rows_are_equal_is_held_as_one_row_and_broadcast_in_each_block():
-    """Built from shapes alone is not enough: ``offset`` reads only the batch size too,
-    and its rows differ, so it still travels with its rows."""
-    from xpipe.build import ModelCapture
-
-    model = BuiltFromTheBatchSize()
-    stacked = ModelCapture(model, torch.randn(2, 8)).stacked()
-    assert stacked.side_rows == (False, True)
-    x = torch.randn(5, 8)
-    hidden, scale, offset = stacked.pre(x)[:3]
-    assert scale.shape == (1, 8) and offset.shape == (5, 8)
-    for block in stacked.blocks:
-        hidden = block(hidden, scale, offset)
-    (output,) = stacked.post(hidden, *stacked.pre(x)[3:])  # torch.export's flat outputs
     torch.testing.assert_close(output, model(x), rtol=1e-5, atol=1e-6)
 
 

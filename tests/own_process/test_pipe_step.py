@@ -167,12 +167,14 @@ def test_a_loss_function_that_does_not_say_it_sums_is_caught_on_its_first_step()
     assert len(meaning.runner.checked_losses) == 1
 
 
-def test_an_undeclared_loss_is_checked_again_on_the_first_batch_that_tells_it_apart():
-    """A plain function around a loss that ignores -100, first on batches without
-    padding (where counting rows is right), then on an unevenly padded one: that step
-    was weighted by rows (a gradient 18% off, no error); now it is checked and refused,
-    every gradient left as it was. A loss that passes on such a batch is settled."""
-    ignoring = torch.nn.CrossEntropyLoss(ignore_index=-100)
+@pytest.mark.parametrize("ignored", [-100, -1])
+def test_an_undeclared_loss_is_checked_again_on_a_batch_that_tells_it_apart(ignored):
+    """A plain function around a loss that ignores -100 (or -1), first on batches
+    without padding (where counting rows is right), then on an unevenly padded one:
+    that step was weighted by rows (a gradient 18% off, no error; with -1, on every
+    later batch, as only -100 was looked for); now it is checked and refused, every
+    gradient left as it was."""
+    ignoring = torch.nn.CrossEntropyLoss(ignore_index=ignored)
     pipe = xpipe.Pipe(mlp_stack(blocks=4, width=16, inputs=8, outputs=10), chunks=4, stages=2, executor="devices",
                       loss_fn=lambda output, t: ignoring(output, t))
     batch = torch.randn(16, 8)
@@ -181,27 +183,23 @@ def test_an_undeclared_loss_is_checked_again_on_the_first_batch_that_tells_it_ap
     before = {p: p.grad.clone() for p in pipe.parameters()}
     with pytest.raises(ValueError, match=r"loss_fn: on the whole batch it gives .* it does not mean over rows \(it "
                                          r"sums, or ignores some targets\)"):
-        pipe.step(batch, ignored_unevenly(16))
+        pipe.step(batch, ignored_unevenly(16, ignored))
     assert all(torch.equal(p.grad.cpu(), grad.cpu()) for p, grad in before.items())
+
+
+def test_float_targets_settle_an_undeclared_loss_on_its_first_step(monkeypatch):
+    """Float targets ignore nothing: the first step's check is the only one (each
+    check computes the whole batch's loss on the host)."""
+    from xpipe.devices.loss import StepLoss
+
+    checks, check = [], StepLoss.check_reduction
+    monkeypatch.setattr(StepLoss, "check_reduction", lambda self, *args: checks.append(args) or check(self, *args))
+    batch = torch.randn(16, 8)
     rows_mean = xpipe.Pipe(mlp_stack(blocks=4, width=16, inputs=8, outputs=10), chunks=4, stages=2,
                            executor="devices", loss_fn=lambda output, t: F.mse_loss(output, t))
-    for _ in range(2):
+    for _ in range(3):
         rows_mean.step(batch, torch.randn(16, 10))
-    assert len(rows_mean.runner.checked_losses) == 1, "float targets settle it at once"
-
-
-def test_an_undeclared_loss_that_ignores_another_value_is_refused_on_the_batch_that_shows_it():
-    """A plain function around a loss that ignores -1 (not -100): settled on unpadded
-    batches before, it was then weighted by rows on a batch with -1s (silently); now
-    every batch in which some value would weigh the microbatches otherwise is checked."""
-    ignoring = torch.nn.CrossEntropyLoss(ignore_index=-1)
-    pipe = xpipe.Pipe(mlp_stack(blocks=4, width=16, inputs=8, outputs=10), chunks=4, stages=2, executor="devices",
-                      loss_fn=lambda output, t: ignoring(output, t))
-    batch = torch.randn(16, 8)
-    for _ in range(2):
-        pipe.step(batch, labels(16))
-    with pytest.raises(ValueError, match=r"it does not mean over rows \(it sums, or ignores some targets\)"):
-        pipe.step(batch, ignored_unevenly(16, ignored=-1))
+    assert len(checks) == 1
 
 
 @pytest.mark.parametrize("loss_fn, ignored", [

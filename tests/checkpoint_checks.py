@@ -13,11 +13,11 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+import xpipe._xla
 import xpipe.checkpoints
 import xpipe.checkpoints.pieces
 import xpipe.checkpoints.shards
 import xpipe.checkpoints.state
-import xpipe._xla
 
 
 def assert_chunks_tile_every_tensor(path: Path) -> dict[str, int]:

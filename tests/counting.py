@@ -27,7 +27,7 @@ def counted(made: list[str], label: str, function: Callable) -> Callable:
 def count_captures(set_attribute: Setter = setattr) -> list[str]:
     """Record every capture from here on: ``"fx"`` for a torch.fx trace, ``"export"``
     for a torch.export run."""
-    from xpipe import capture
+    from xpipe.capture import trace as capture
 
     made: list[str] = []
     set_attribute(capture, "_trace_fx", counted(made, "fx", capture._trace_fx))

@@ -50,7 +50,7 @@ def gpt2(layers: int = 4, dropout: float | None = None, vocab: int = 128) -> GPT
 
 def mixtral(layers: int = 4) -> MixtralForCausalLM:
     """A mixture-of-experts decoder: 4 experts, 2 per token, routed by the data (its
-    experts captured by xpipe in the dense form, :mod:`xpipe.experts`)."""
+    experts captured by xpipe in the dense form, :mod:`xpipe.capture.experts`)."""
     torch.manual_seed(0)
     return MixtralForCausalLM(MixtralConfig(
         vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=layers, num_attention_heads=4,

@@ -12,9 +12,9 @@ import torchvision
 from torch import nn
 
 import xpipe
-from xpipe.capture import opened_modules, trace_layers
-from xpipe.viz import render, render_text
+from xpipe.capture.trace import opened_modules, trace_layers
 from xpipe.schedule import gpipe
+from xpipe.viz import render, render_text
 from hf_models import gpt2, llama, t5, tokens
 
 

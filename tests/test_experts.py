@@ -1,4 +1,4 @@
-"""``xpipe.experts``: the dense form of Hugging Face's mixture-of-experts layers
+"""``xpipe.capture.experts``: the dense form of Hugging Face's mixture-of-experts layers
 computes what transformers' own forms compute (on the CPU, within float32 rounding),
 and is chosen only while xpipe captures the model."""
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 from hf_models import llama, mixtral, qwen2_moe
 
-from xpipe.experts import DENSE, captured_dense, dense_experts_forward
+from xpipe.capture.experts import DENSE, captured_dense, dense_experts_forward
 
 
 @pytest.mark.parametrize("family", [mixtral, qwen2_moe], ids=["mixtral", "qwen2_moe"])

@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch import nn
 
-from xpipe.graph import layer_names, module_graph
+from xpipe.capture.graph import layer_names, module_graph
 from xpipe.models import transformer_lm
 
 TOKENS = torch.zeros(2, 16, dtype=torch.long)

@@ -1,4 +1,4 @@
-"""``xpipe.joined_projections``: the column-parallel linears of a block that read the
+"""``xpipe.tensor.joined_projections``: the column-parallel linears of a block that read the
 same input run as one linear on their joined weights, and the block computes, and
 differentiates, what the plain block does; linears split otherwise, or kept whole,
 are left as they are."""
@@ -9,9 +9,9 @@ from hf_models import bert, gpt2, llama, tokens
 from torch.func import functional_call
 
 from xpipe.build import ModelCapture
-from xpipe.capture import flat_inputs
-from xpipe.joined_projections import join_column_parallel, joined
-from xpipe.tensor_rules import split_dim, tensor_splits
+from xpipe.capture.trace import flat_inputs
+from xpipe.tensor.joined_projections import join_column_parallel, joined
+from xpipe.tensor.rules import split_dim, tensor_splits
 
 
 def block_of(model):

@@ -9,9 +9,9 @@ import torch_xla.distributed.spmd as xs
 from torch import nn
 
 from xpipe.layout import MeshAxes, outer_spec, outer_step_spec, shard_numel, stacked_spec, stored_shape
-from xpipe.memory import per_device
 from xpipe.mesh import axes_of, mesh_axes
-from xpipe.tensor_rules import (Packed, check_head_counts, check_rules, key_value_heads_of, tensor_dims,
+from xpipe.planner.memory import per_device
+from xpipe.tensor.rules import (Packed, check_head_counts, check_rules, key_value_heads_of, tensor_dims,
                                 tensor_splits, with_shared_key_values)
 
 FSDP = MeshAxes(stage=2, data=1, fsdp=4)

@@ -1,4 +1,4 @@
-"""``xpipe.packed_projections``: a block whose packed projections are split part by
+"""``xpipe.tensor.packed_projections``: a block whose packed projections are split part by
 part computes, from its weights laid out tensor-major, bit for bit what the plain
 block computes from its own; the parts are read from where the block takes the
 linear's output apart; what the graph does not show is refused, naming it."""
@@ -10,11 +10,11 @@ from torch import nn
 from torch.func import functional_call
 
 from xpipe.build import ModelCapture
-from xpipe.capture import flat_inputs
+from xpipe.capture.stacking import block_inputs
+from xpipe.capture.trace import flat_inputs
 from xpipe.models import mlp_stack
-from xpipe.packed_projections import CannotSplitPacked, packed_parts, split_packed, tensor_major
-from xpipe.spmd.stacking import block_inputs
-from xpipe.tensor_rules import Packed, tensor_splits
+from xpipe.tensor.packed_projections import CannotSplitPacked, packed_parts, split_packed, tensor_major
+from xpipe.tensor.rules import Packed, tensor_splits
 
 
 def lm_sample() -> dict:

@@ -160,18 +160,18 @@ def test_time_balance_does_not_move_when_other_processes_hold_the_cores(monkeypa
     (2, 2, 3). The times are set, not measured, so that the machine's own load cannot
     stop the one clean run too (it did, once: (2, 1, 4))."""
     calls = Counter()
-    run_node = xpipe.graph._Profiler.run_node
+    run_node = xpipe.capture.graph._Profiler.run_node
 
     def stopped_for_slices(self, node):
         value = run_node(self, node)
         calls[node.name] += 1
         layer = self.module.get_submodule(node.target) if node.op == "call_module" else None
         alone = 0.1 if isinstance(layer, Wide) else 0.0004
-        stopped = isinstance(layer, nn.Linear) and 2 <= calls[node.name] <= xpipe.graph.TIMING_REPEATS  # but the last
+        stopped = isinstance(layer, nn.Linear) and 2 <= calls[node.name] <= xpipe.capture.graph.TIMING_REPEATS  # but the last
         self.records[node]["time_s"] = alone + (0.05 if stopped else 0.0)
         return value
 
-    monkeypatch.setattr(xpipe.graph._Profiler, "run_node", stopped_for_slices)
+    monkeypatch.setattr(xpipe.capture.graph._Profiler, "run_node", stopped_for_slices)
     torch.manual_seed(0)
     model = nn.Sequential(Wide(), Wide(), Wide(), *(nn.Linear(64, 64) for _ in range(4)))
     assert xpipe.partition(model, 3, sample_input=torch.randn(512, 64), cost="time").balance == (1, 1, 5)

@@ -10,19 +10,19 @@ import sys
 
 import pytest
 import torch
-from hf_models import llama, tokens
+from hf_models import EncoderStack, bert, gpt2, llama, tokens
 from tiers import in_full_tier
 from transformers import LlamaConfig
 
 import xpipe
 from xpipe.layout import LOSS_SEGMENTS_FROM, MeshAxes, sequence_segments
-from xpipe.memory import per_device
-from xpipe.plan_cli import main
 from xpipe.planner import GiB, Layout, predict, preset
-from xpipe.profile import WHOLE_STREAMS, profile_of_config, profile_of_model
+from xpipe.planner.cli import main
+from xpipe.planner.memory import per_device
+from xpipe.planner.profile import WHOLE_STREAMS, profile_of_config, profile_of_model
 from xpipe.recompute import first_kept_clock
 from xpipe.schedule import gpipe
-from xpipe.tensor_rules import Packed
+from xpipe.tensor.rules import Packed
 
 SMALL = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=True)
@@ -176,7 +176,7 @@ def test_llama3_70b_at_256_x_2048_fits_14_gib_of_v5e_with_packed_sequences_not_w
 
 def test_planning_a_405b_model_allocates_nothing():
     """Built on the meta device: the planner's process stays far below the model's 810 GB."""
-    script = ("import resource, sys; from xpipe.plan_cli import main; main(['llama3-405b', '--devices', '1024', "
+    script = ("import resource, sys; from xpipe.planner.cli import main; main(['llama3-405b', '--devices', '1024', "
               "'--chip', 'v5p', '--batch', '1024']); print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)")
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, check=True)
     peak_kib = int(done.stdout.split()[-1])
@@ -253,8 +253,8 @@ def test_configs_of_the_families_pipe_runs_are_planned():
     """GPT-2 names its MLP width n_inner (None: four times the hidden size), OPT ffn_dim."""
     from transformers import GPT2Config, OPTConfig
 
-    gpt2 = xpipe.plan(GPT2Config(n_layer=4, n_embd=64, n_head=4, vocab_size=1000), devices=8, batch=16, seq=128)
-    assert gpt2.fitting and gpt2.profile.blocks == 4
+    planned = xpipe.plan(GPT2Config(n_layer=4, n_embd=64, n_head=4, vocab_size=1000), devices=8, batch=16, seq=128)
+    assert planned.fitting and planned.profile.blocks == 4
     explicit = GPT2Config(n_layer=4, n_embd=64, n_head=4, n_inner=256, vocab_size=1000)
     assert profile_of_config(explicit, 128).block_saved_bytes_per_row == \
         profile_of_config(GPT2Config(n_layer=4, n_embd=64, n_head=4, vocab_size=1000), 128).block_saved_bytes_per_row
@@ -264,7 +264,7 @@ def test_configs_of_the_families_pipe_runs_are_planned():
 
 
 def test_a_mixture_of_experts_block_saves_every_experts_activations():
-    """xpipe runs every expert on every token (:mod:`xpipe.experts`): a block of 4
+    """xpipe runs every expert on every token (:mod:`xpipe.capture.experts`): a block of 4
     experts of width 128 saves, per token, what a dense MLP of width 512 would."""
     from transformers import LlamaConfig, MixtralConfig
 
@@ -341,7 +341,7 @@ def test_gemma2_is_planned_as_pipe_stacks_it_a_sliding_and_a_global_layer_a_bloc
 
 PLANNED_MODELS = {
     "llama": lambda: (llama(4), {"input_ids": tokens(2, 8)}),
-    "encoder": lambda: (__import__("hf_models").EncoderStack(), torch.randn(2, 8, 32)),
+    "encoder": lambda: (EncoderStack(), torch.randn(2, 8, 32)),
 }
 
 
@@ -352,7 +352,7 @@ def test_every_layout_the_planner_lists_is_one_pipe_builds(family):
     with sequence parallelism and without."""
     from xpipe.build import ModelCapture, Options, checked_spmd_layout
     from xpipe._checks import check_gather
-    from xpipe.tensor_rules import check_rules
+    from xpipe.tensor.rules import check_rules
 
     model, sample = PLANNED_MODELS[family]()
     capture = ModelCapture(model, sample)
@@ -368,3 +368,26 @@ def test_every_layout_the_planner_lists_is_one_pipe_builds(family):
                           sequence_parallel)
         checked_spmd_layout(capture, options, stages, tensor)
     assert len(fewest_chunks) > 8
+
+
+SPLIT_FAMILIES = {
+    "llama": lambda: (llama(4), {"input_ids": tokens(2, 8)}),
+    "llama-one-kv-head": lambda: (llama(4, kv_heads=1), {"input_ids": tokens(2, 8)}),
+    "gpt2": lambda: (gpt2(4), {"input_ids": tokens(2, 8)}),
+    "bert": lambda: (bert(4), {"input_ids": tokens(2, 8)}),
+    "encoder": lambda: (EncoderStack(), torch.randn(2, 8, 32)),
+}
+
+
+@pytest.mark.parametrize("family", SPLIT_FAMILIES)
+def test_the_plan_holds_each_block_weight_split_as_the_pipe_splits_it(family):
+    """Both read xpipe.tensor.splits.block_splits: the profile with what it read of the
+    block's graph, the build on the sample input."""
+    from xpipe.build import ModelCapture, block_tensor_splits
+    from xpipe.tensor.rules import split_dim
+
+    model, sample = SPLIT_FAMILIES[family]()
+    profile = profile_of_model(model, sample)
+    capture = ModelCapture(model, sample)
+    for tensor in (2, 4):
+        assert profile.tensor_dims(tensor) == [split_dim(r) for r in block_tensor_splits(capture, tensor, None)]

@@ -97,8 +97,8 @@ def test_a_microbatch_of_padding_only_adds_nothing_to_the_models_own_loss():
 
 def test_mixtral_experts_and_router_train_as_the_plain_model():
     """Data-dependent routing: each microbatch sends its tokens to other experts. The
-    experts are captured in the dense form (:mod:`xpipe.experts`); transformers' own
-    grouped matmul computes zeros on XLA (:mod:`xpipe.substitutes`)."""
+    experts are captured in the dense form (:mod:`xpipe.capture.experts`); transformers' own
+    grouped matmul computes zeros on XLA (:mod:`xpipe.capture.substitutes`)."""
     model = mixtral()
     reference = copy.deepcopy(model)
     ids = tokens(8, 8)

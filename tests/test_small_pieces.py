@@ -10,9 +10,9 @@ import torch
 import torch.nn.functional as F
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from xpipe.recompute import check_mode, recompute
 from xpipe.collectives import shift
 from xpipe.inspect import CommunicationReport, collectives, loop_trips
+from xpipe.recompute import check_mode, recompute
 from xpipe.spmd.dropout import hashed_dropout
 from xpipe.spmd.lowering import ShardableOps, heads_leading_attention, layer_norm
 from xpipe.spmd.sides import packing_for
@@ -251,8 +251,8 @@ def test_the_profile_counts_attention_probabilities_however_attention_is_called(
     probabilities beside what torch saved (XLA keeps them; torch's fused CPU kernel does
     not), its query and key given by position or by name; nothing where no gradient is
     wanted."""
-    import xpipe.graph
-    from xpipe.graph import module_graph
+    import xpipe.capture.graph
+    from xpipe.capture.graph import module_graph
 
     class Attention(torch.nn.Module):
         def __init__(self, by_name: bool) -> None:
@@ -272,7 +272,7 @@ def test_the_profile_counts_attention_probabilities_however_attention_is_called(
         return sum(graph.nodes[layer].get("activation_bytes", 0) for layer in graph.graph["layers"])
 
     counted = {by_name: saved(by_name) for by_name in (False, True)}
-    monkeypatch.setattr(xpipe.graph._AttentionProbabilities, "__torch_dispatch__",
+    monkeypatch.setattr(xpipe.capture.graph._AttentionProbabilities, "__torch_dispatch__",
                         lambda self, func, types, args=(), kwargs=None: func(*args, **(kwargs or {})))
     probabilities = 2 * 2 * 5 * 5 * 4  # rows, heads, queries, keys, float32
     assert counted[False] - saved(False) == counted[True] - saved(True) == probabilities

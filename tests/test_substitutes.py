@@ -1,11 +1,11 @@
-"""``xpipe.substitutes``: the operations that replace what XLA runs wrongly compute
+"""``xpipe.capture.substitutes``: the operations that replace what XLA runs wrongly compute
 what the originals compute (on the CPU, where the originals are right): exactly for
 the counts, within float32 rounding for the matmuls."""
 
 import pytest
 import torch
 
-from xpipe.substitutes import grouped_mm, histc, substitute_operators
+from xpipe.capture.substitutes import grouped_mm, histc, substitute_operators
 
 
 @pytest.mark.parametrize("counts", [(3, 0, 5, 2), (0, 0, 10, 0), (1, 1, 1, 7)])

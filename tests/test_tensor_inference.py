@@ -1,4 +1,4 @@
-"""``xpipe.tensor_inference``: the split read from a block's graph is the built-in
+"""``xpipe.tensor.inference``: the split read from a block's graph is the built-in
 rules' split on every family that has them, reads projections packed one after the
 other as packed (split part by part), and refuses what it cannot read, naming it."""
 
@@ -9,10 +9,10 @@ from hf_models import bert, gpt2, gpt_neox, llama, mixtral, opt, phi3, t5, token
 from torch import nn
 
 from xpipe.build import ModelCapture
+from xpipe.capture.stacking import block_inputs
 from xpipe.models import Block, MLPBlock
-from xpipe.spmd.stacking import block_inputs
-from xpipe.tensor_inference import CannotInfer, infer_tensor_dims
-from xpipe.tensor_rules import Packed, tensor_dims, tensor_splits, unruled
+from xpipe.tensor.inference import CannotInfer, infer_tensor_dims
+from xpipe.tensor.rules import Packed, tensor_dims, tensor_splits, unruled
 
 
 class EncoderStack(nn.Module):

@@ -6,7 +6,7 @@ A Hugging Face Llama (8 layers, hidden 128, vocab 512, grouped-query attention,
 tied embeddings) as an spmd Pipe on 8 emulated devices, on each mesh of
 ``MESHES``, after one AdamW step. For the busiest device it prints what it holds
 of the weights, their gradients and AdamW's state, read from its shards
-(``xpipe.inspect.bytes_per_device``), next to ``xpipe.memory.per_device``'s
+(``xpipe.inspect.bytes_per_device``), next to ``xpipe.planner.memory.per_device``'s
 prediction, an even eighth of the whole, and the step's peak from XLA's buffer
 assignment (``xpipe.inspect.audit``; the weights gathered for the step and the
 activations come on top of the resting state there). docs/scaling.md quotes the table.
@@ -30,7 +30,7 @@ DUMP = xpipe.inspect.enable_hlo_dump()
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 from xpipe.layout import MeshAxes  # noqa: E402
-from xpipe.memory import per_device  # noqa: E402
+from xpipe.planner.memory import per_device  # noqa: E402
 
 MESHES = [(8, 1, 1), (2, 4, 1), (2, 1, 4), (4, 1, 2), (2, 2, 2)]  # stages, data, fsdp
 ROWS, SEQ, CHUNKS = 16, 32, 4

@@ -15,9 +15,9 @@ mask) and with a padding mask. The last line is the deepest model of Llama 3
 from __future__ import annotations
 
 import argparse
-from xpipe.plan_cli import llama3_config
 from xpipe.planner import GiB, plan
-from xpipe.profile import profile_of_config
+from xpipe.planner.cli import llama3_config
+from xpipe.planner.profile import profile_of_config
 
 CASES = [  # model, chip, chips, batch (sequences), sequence length
     ("llama3-8b", "v5e", 16, 16, 2048),

@@ -38,8 +38,8 @@ import torch_xla.distributed.spmd as xs  # noqa: E402
 from torch_xla.experimental.scan import scan  # noqa: E402
 
 import xpipe  # noqa: E402
-import xpipe.inspect  # noqa: E402
 from xpipe.collectives import shift  # noqa: E402
+import xpipe.inspect  # noqa: E402
 from xpipe.mesh import spmd_device  # noqa: E402
 
 STAGES, DATA, BLOCKS, WIDTH, ROWS, CHUNKS = 4, 2, 2, 256, 32, 8

@@ -7,10 +7,10 @@
 """
 
 from xpipe._xla import start_runtime_before_first_backward
-from xpipe.graph import module_graph
+from xpipe.capture.graph import module_graph
 from xpipe.partition import Partition, partition
 from xpipe.planner import plan
-from xpipe.tensor_rules import Packed
+from xpipe.tensor.rules import Packed
 
 start_runtime_before_first_backward()
 

@@ -22,23 +22,23 @@ from torch import nn
 from xpipe._checks import check_positive_int
 from xpipe._retired import retire
 from xpipe._xla import can_enter_spmd, move_keeping_ties, rebind, warm_autograd
-from xpipe.capture import Captured, as_operations, place_constants_on, trace_layers
+from xpipe.capture.stacking import StackedModel, block_inputs, cut_for_stacking, vmappable
+from xpipe.capture.trace import Captured, as_operations, place_constants_on, trace_layers
 from xpipe.devices.executor import DevicesPipeline
 from xpipe.devices.stages import cut_into_stages
-from xpipe.joined_projections import join_column_parallel
 from xpipe.layout import spread
 from xpipe.mesh import axes_of, make_mesh, mesh_axes, spmd_device
-from xpipe.packed_projections import CannotSplitPacked, PackedLinear, split_packed
 from xpipe.partition import Partition, partition_captured, rebalanced, spmd_balance, spmd_partition
 from xpipe.schedule import Schedule, by_name, check_ring_chunks
 from xpipe.spmd.executor import SCHEDULES as SPMD_SCHEDULES
 from xpipe.spmd.executor import SpmdPipeline, padded_chunks
 from xpipe.spmd.sequence_parallel import check_sequence_dim
-from xpipe.spmd.stacking import StackedModel, block_inputs, cut_for_stacking, vmappable
-from xpipe.tensor_inference import CannotInfer, infer_tensor_dims
-from xpipe.tensor_rules import (Packed, Rule, Rules, check_convolutions, check_head_counts, covered_by,
-                                key_value_heads_of, split_dim, tensor_splits, unruled, unruled_message,
-                                with_shared_key_values)
+from xpipe.tensor.inference import CannotInfer, infer_tensor_dims
+from xpipe.tensor.joined_projections import join_column_parallel
+from xpipe.tensor.packed_projections import CannotSplitPacked, PackedLinear, split_packed
+from xpipe.tensor.rules import (Packed, Rule, Rules, check_convolutions, check_head_counts, covered_by,
+                                key_value_heads_of, split_dim)
+from xpipe.tensor.splits import block_splits
 
 EXECUTORS = ("auto", "spmd", "devices")
 
@@ -196,36 +196,25 @@ def checked_spmd_layout(capture: ModelCapture, options: Options, stages: int, te
 
 
 def block_tensor_splits(capture: ModelCapture, tensor: int, rules: Rules | None) -> list[Rule]:
-    """Each block weight's split over "tensor" (a dim, :class:`xpipe.Packed`, or None): by the user's rules, the
-    key/value projections whole where "tensor" does not divide their heads
-    (:func:`xpipe.tensor_rules.with_shared_key_values`), then the built-in rules, and
-    as read from the block's graph (:mod:`xpipe.tensor_inference`) for the weights no
-    rule covers and those a built-in rule splits on the wrong dim
-    (:func:`xpipe.tensor_rules.tensor_splits`). Refused before any device work where no
-    rule covers a weight and the graph cannot tell."""
-    rules = with_shared_key_values(rules, key_value_heads_of(capture.module), tensor)
+    """Each weight of the body's first block split over "tensor" as
+    :func:`xpipe.tensor.splits.block_splits` says, the graph read on the sample input.
+    Refused before any device work where no rule covers a weight and the graph
+    cannot tell."""
     stacked = capture.stacked()
-    named = [(name, tuple(p.shape)) for name, p in stacked.blocks[0].named_parameters()]
-    names, shapes = [n for n, _ in named], [s for _, s in named]
-    if tensor == 1:
-        return tensor_splits(names, shapes, tensor, rules)
-    try:
+    names, shapes = zip(*[(name, tuple(p.shape)) for name, p in stacked.blocks[0].named_parameters()])
+
+    def read_from_graph() -> Rules:
         if capture.sample_input is None:
             raise CannotInfer("xpipe reads it on a batch, and no sample_input= was given")
-        inferred = infer_tensor_dims(stacked.blocks[0], block_inputs(stacked, capture.sample_input))
-    except CannotInfer as reason:
-        missing = unruled(names, rules)
-        if missing:
-            raise ValueError(unruled_message(tensor, missing, f", and the block's graph does not tell: {reason}")
-                             ) from None
-        inferred = {}
-    return tensor_splits(names, shapes, tensor, rules, inferred)
+        return infer_tensor_dims(stacked.blocks[0], block_inputs(stacked, capture.sample_input))
+
+    return block_splits(names, shapes, tensor, rules, key_value_heads_of(capture.module), read_from_graph)
 
 
 def split_packed_weights(capture: ModelCapture, splits: list[Rule], tensor: int, rules: Rules | None
                          ) -> tuple[dict[bool, torch.fx.GraphModule], list[PackedLinear], list[int | None]]:
     """The block the clock loop runs in train and in eval mode, the packed linears it
-    splits part by part (:mod:`xpipe.packed_projections`), and each block weight's
+    splits part by part (:mod:`xpipe.tensor.packed_projections`), and each block weight's
     split dim.
 
     A block torch.fx captured calls modules, whose packed weights' parts its graph

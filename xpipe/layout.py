@@ -3,7 +3,7 @@ which axes each kind of weight is sharded, how blocks and microbatches fill
 the stages, and into how many segments a sequence's loss is cut.
 
 Pure: no torch_xla. The spmd executor places tensors by these rules
-(:mod:`xpipe.spmd.placement`) and the memory model (:mod:`xpipe.memory`) and the
+(:mod:`xpipe.spmd.placement`) and the memory model (:mod:`xpipe.planner.memory`) and the
 planner count by the same ones, so they cannot drift apart.
 """
 

@@ -54,7 +54,7 @@ def make_mesh(stages: int, data: int | None = None, *, fsdp: int = 1, tensor: in
 
     "data" replicates each stage's weights; "fsdp" shards them (ZeRO-3: weights,
     gradients and optimizer state), gathered once per step; "tensor" splits each
-    block's matrices (:mod:`xpipe.tensor_rules`), so its devices share their rows.
+    block's matrices (:mod:`xpipe.tensor.rules`), so its devices share their rows.
 
     With ``slices > 1`` (TPU slices joined by the data-center network) the stages
     are spread over the slices, ``stages // slices`` consecutive stages on each:

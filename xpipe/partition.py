@@ -1,6 +1,6 @@
 """The partitioner: a contiguous, balanced split of a model's layers into stages.
 
-``partition(module, stages)`` traces the model (``xpipe.graph``), prices each layer
+``partition(module, stages)`` traces the model (``xpipe.capture.graph``), prices each layer
 under a cost model, and picks the split that minimises the most expensive stage
 (exactly, see ``xpipe._balance``). The result, :class:`Partition`, is plain data:
 the executors, the visualiser and the tests read it; it never touches a device.
@@ -20,8 +20,8 @@ from torch import nn
 from xpipe._balance import balance_by_cost, stage_costs
 from xpipe._checks import check_positive_int
 from xpipe._format import human
-from xpipe.capture import Captured
-from xpipe.graph import OUTPUT, layer_names, module_graph
+from xpipe.capture.graph import OUTPUT, layer_names, module_graph
+from xpipe.capture.trace import Captured
 
 COSTS = ("params", "flops", "time", "memory")
 _UNITS = {"params": "", "flops": "FLOP", "time": "s", "memory": "B"}
@@ -71,7 +71,7 @@ class Partition:
         boundaries: for each cut ``k`` (between stage ``k`` and ``k + 1``), the tensors
             that cross it, skip connections included.
         repeated: the longest run of identical blocks, or None.
-        graph: the layer graph (``xpipe.graph.module_graph``) with each layer's
+        graph: the layer graph (``xpipe.capture.graph.module_graph``) with each layer's
             ``stage`` attribute set.
     """
 
@@ -157,7 +157,7 @@ def partition(
     """Split ``module`` into contiguous pipeline stages of balanced cost.
 
     Args:
-        module: the model; see ``xpipe.graph`` for what counts as a layer.
+        module: the model; see ``xpipe.capture.graph`` for what counts as a layer.
         stages: number of stages. May be omitted when ``balance`` is given.
         sample_input: a tensor or tuple of tensors for one forward call; needed by
             every cost model but ``"params"``, and for the shapes of crossing tensors.
@@ -190,7 +190,7 @@ def partition_captured(
     cost: str = "params",
     balance: Sequence[int] | None = None,
 ) -> Partition:
-    """:func:`partition` of a model that :func:`xpipe.capture.trace_layers` has already
+    """:func:`partition` of a model that :func:`xpipe.capture.trace.trace_layers` has already
     captured (None: capture it here). ``Pipe`` splits this way, from its one capture."""
     _check_cost(cost, sample_input)
     stages = _stage_count(stages, balance)

@@ -31,7 +31,7 @@ from xpipe.checkpoints.state import CheckpointState
 from xpipe.partition import Partition
 from xpipe.recompute import check_mode
 from xpipe.schedule import Schedule, check_schedule
-from xpipe.tensor_rules import check_rules
+from xpipe.tensor.rules import check_rules
 
 
 class Pipe(nn.Module):
@@ -94,7 +94,7 @@ class Pipe(nn.Module):
         tensor_rules: on a mesh with a "tensor" axis, which dim of each block
             weight it splits: parameter-name patterns (``fnmatch``) to a dim, or
             to None to keep a weight whole; tried before the built-in rules of
-            :mod:`xpipe.tensor_rules`, which cover Llama-like models, GPT-2, BERT,
+            :mod:`xpipe.tensor.rules`, which cover Llama-like models, GPT-2, BERT,
             T5, ``nn.TransformerEncoderLayer``, OPT, GPT-NeoX, and the experts
             of Mixtral and Qwen2-MoE.
         gather: spmd executor, on a mesh with "fsdp": when the body's weights are

@@ -17,9 +17,9 @@ import torch.nn.functional as F
 import torch_xla
 
 import xpipe
-import xpipe.checkpoints.group
 from xpipe import checkpoints
 from xpipe.checkpoints import loading, saving
+import xpipe.checkpoints.group
 from equivalence import assert_loads_exactly, step_losses
 from fresh_process import call_in_fresh_process
 from xpipe.models import mlp_stack, resnet_like, small_cnn

@@ -37,7 +37,7 @@ from hf_models import (EncoderStack, assert_gradients_match, bert, gpt2, gpt_neo
 from pipe_checks import batch_for, loss_of, tiny_lm  # noqa: E402
 from xpipe.models import transformer_lm  # noqa: E402
 from xpipe.planner import Layout, predict, preset  # noqa: E402
-from xpipe.profile import profile_of_model  # noqa: E402
+from xpipe.planner.profile import profile_of_model  # noqa: E402
 
 DATA, STAGES = 2, 4
 LOOPS = {"never": 1, "always": 1, "except_last": 2}
@@ -527,7 +527,7 @@ def test_blocks_run_megatrons_collectives_per_clock(family):
     """Exactly Megatron's collectives over "tensor" in each clock, forward and
     backward, and each device attends with its own 2 heads of 4; the step equals the
     plain model. Llama (grouped-query attention): its q, k and v projections, and its
-    gate and up, each run as one linear (:mod:`xpipe.joined_projections`; run apart,
+    gate and up, each run as one linear (:mod:`xpipe.tensor.joined_projections`; run apart,
     the backward clock reduced the input gradient of each: 10 all-reduces where
     Megatron's are 4). GPT-NeoX: q, k and v packed head by head in one linear.
     GPT-2's ``c_attn``, ``nn.TransformerEncoderLayer``'s ``in_proj_weight`` (its
@@ -580,7 +580,7 @@ def test_mixture_of_experts_blocks_keep_their_tokens_in_their_stage():
     the conveyor's permutes along "stage". Routed by gathers of the tokens by expert
     (transformers' forms), each loop ran all-gathers and all-reduces over ("stage",
     "fsdp") of the hidden states, the routing weights and the expert indices; captured
-    in the dense form (:mod:`xpipe.experts`) every stage's experts see its own tokens
+    in the dense form (:mod:`xpipe.capture.experts`) every stage's experts see its own tokens
     only. The step equals the plain model."""
     ids = tokens(8, SEQ)
     inputs = {"input_ids": ids, "labels": ids}

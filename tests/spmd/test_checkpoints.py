@@ -13,11 +13,11 @@ import torch
 import torch_xla
 
 import xpipe
-import xpipe.checkpoints.shards
-from xpipe.spmd.state_map import StateMap
 from xpipe._host_memory import PeakResident
 from xpipe._xla import sharding_spec
+import xpipe.checkpoints.shards
 from xpipe.models import mlp_stack, transformer_lm
+from xpipe.spmd.state_map import StateMap
 from checkpoint_checks import (assert_chunks_tile_every_tensor, assert_each_device_loaded_its_shard, held_shards,
                                load_buffers_alive, loaded_from_shards, no_sharded_tensor_put_together)
 from equivalence import assert_loads_exactly, compiled, step_losses

@@ -7,7 +7,7 @@ unpipelined on the CPU (loss and every gradient, and the loss after the step,
 rtol 1e-4 as in ``equivalence``), then two more steps with the compile count read
 after each. The bytes each device holds are read from the shards it holds
 (``xpipe.inspect.bytes_per_device``) and compared with an even share and with the
-memory model (``xpipe.memory``). The step's collectives on these meshes are
+memory model (``xpipe.planner.memory``). The step's collectives on these meshes are
 checked in ``test_audit.py``.
 """
 
@@ -26,9 +26,9 @@ from tiers import in_full_tier
 import xpipe
 import xpipe.inspect
 from xpipe.layout import MeshAxes
-from xpipe.memory import per_device
 from xpipe.planner import Layout, predict, preset
-from xpipe.profile import profile_of_model
+from xpipe.planner.memory import per_device
+from xpipe.planner.profile import profile_of_model
 
 ROWS = 16  # 4 microbatches of one row or more on every device of every mesh below
 MESHES = {"2 stages x 4 fsdp": dict(stages=2, fsdp=4), "4 stages x 2 fsdp": dict(stages=4, fsdp=2),
@@ -137,7 +137,7 @@ def test_one_adamw_step_equals_the_plain_model_and_later_steps_compile_nothing(f
 
 def assert_memory_model_holds(pipe, optimizer, gradients: int, axes: MeshAxes) -> dict[str, int]:
     """What the busiest device holds of the weights, their gradients and AdamW's state,
-    read from its shards, against ``xpipe.memory.per_device`` (within 10%) and, on a
+    read from its shards, against ``xpipe.planner.memory.per_device`` (within 10%) and, on a
     mesh without "data", against an even share of the whole; the optimizer state
     sharded as its parameter, from the first step. Returns the measured bytes by kind."""
     parameters = list(pipe.parameters())

@@ -10,10 +10,10 @@ import torch
 import torch.nn.functional as F
 
 import xpipe
-from xpipe.mesh import spmd_device
 from xpipe.layout import LOSS_SEGMENT_TOKENS, sequence_segments
-from xpipe.spmd.segmented_loss import LossOverSegments
+from xpipe.mesh import spmd_device
 from xpipe.spmd.placement import Placement
+from xpipe.spmd.segmented_loss import LossOverSegments
 
 
 pytestmark = pytest.mark.usefixtures("segment_every_loss")  # tests/spmd/conftest.py

@@ -15,7 +15,7 @@ from typing import Any
 import torch.fx
 from torch import nn
 
-from xpipe.capture import Captured, ExportedForm, extract_module, trace_layers
+from xpipe.capture.trace import Captured, ExportedForm, extract_module, trace_layers
 from xpipe.partition import Partition
 
 

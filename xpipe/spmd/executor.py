@@ -39,8 +39,8 @@ from torch_xla.experimental.scan import scan
 
 from xpipe._batch import check_outputs
 from xpipe._batchnorm import RunningStatistics
+from xpipe.capture.stacking import StackedModel
 from xpipe.layout import spread
-from xpipe.packed_projections import PackedLinear, packed_parts
 from xpipe.recompute import first_kept_clock, recompute
 from xpipe.schedule import Schedule
 from xpipe.spmd.conveyor import SlotLayout, column_tables, from_slots, slot_layout, make_tick, to_slots
@@ -52,8 +52,8 @@ from xpipe.spmd.segmented_loss import LossOverSegments
 from xpipe.spmd.sequence_parallel import SequenceSlices, check_sequence_dim
 from xpipe.spmd.sides import Packing, packing_for
 from xpipe.spmd.stacked_weights import StackedWeights
-from xpipe.spmd.stacking import StackedModel
 from xpipe.spmd.state_map import StateMap
+from xpipe.tensor.packed_projections import PackedLinear, packed_parts
 
 SCHEDULES = ("gpipe", "circular")  # the schedules whose clock loop this executor runs
 
@@ -79,11 +79,11 @@ class SpmdPipeline(nn.Module):
         device: the SPMD XLA device.
         keys: the wrapped module's ``state_dict`` keys, in order, each with the keys
             that name the same tensor (tied weights).
-        dims: per block parameter, the dim "tensor" splits, or None (:func:`xpipe.tensor_rules.tensor_dims`).
+        dims: per block parameter, the dim "tensor" splits, or None (:func:`xpipe.tensor.rules.tensor_dims`).
         gather: when the "fsdp" shards are gathered: ``"step"`` or ``"block"``.
         templates: the block the clock loop runs, in train (True) and eval mode: block 0,
             or its copy that splits ``packed`` part by part
-            (:func:`xpipe.packed_projections.split_packed`), one per mode where it was
+            (:func:`xpipe.tensor.packed_projections.split_packed`), one per mode where it was
             captured again as operations (``xpipe.build.split_packed_weights``).
         packed: the linears whose packed weights the loop gets tensor-major.
         sequence_parallel: hold the stream between the blocks' tensor-parallel regions
@@ -376,7 +376,7 @@ def _as_tuple(value) -> tuple:
 def _differentiable(constant: torch.Tensor) -> torch.Tensor:
     """``constant`` as a scan carry takes it: floating (scan makes a gradient for every
     carry); an integer one (an index list torch.export lifted) as float32, exact for
-    the small values :func:`xpipe.spmd.stacking._check_alike` lets through; a bool
+    the small values :func:`xpipe.capture.stacking._check_alike` lets through; a bool
     one (a causal mask held once) as float32 0 and 1."""
     return constant if constant.is_floating_point() else constant.to(torch.float32)
 

@@ -105,7 +105,7 @@ def read_after(values: Any, anchor: torch.Tensor) -> Any:
     body read from the step's inputs: in the optimized HLO of the bfloat16 Llama step
     of ``tests/spmd/test_fsdp.py`` (2 x 2 x 2) no barrier is left, and the loss's
     reductions of its count of labels read the labels' parameter, free to run beside
-    the clock loops. With Llama's q, k and v joined (:mod:`xpipe.joined_projections`)
+    the clock loops. With Llama's q, k and v joined (:mod:`xpipe.tensor.joined_projections`)
     that test, two runs at once, aborted 9 times in 39 (devices waiting in the loop's
     collective-permute, one to three in an all-reduce); with the labels read after
     the body's output, 0 times in 28 (0 in 16 at the commit before the join).

@@ -15,8 +15,8 @@ from torch import nn
 
 from xpipe.checkpoints.pieces import Piece, Pieces, ShardSource, flat_boxes
 from xpipe.layout import stored_shape
-from xpipe.packed_projections import tensor_major
 from xpipe.spmd.placement import Placement
+from xpipe.tensor.packed_projections import tensor_major
 
 
 class StackedWeights(nn.Module):

@@ -18,10 +18,10 @@ import torch
 from torch import nn
 
 from xpipe._xla import sharding_spec, to_host
+from xpipe.capture.stacking import StackedModel
 from xpipe.checkpoints.pieces import Pieces, from_shards
 from xpipe.checkpoints.shards import HostShards, ShardBuffers, host_shards, shard_buffers
 from xpipe.spmd.stacked_weights import StackedWeights
-from xpipe.spmd.stacking import StackedModel
 
 
 class StateMap:

@@ -17,10 +17,10 @@ import torch.nn.functional as F
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from xpipe.capture import Captured, ExportedForm, extract_module, flat_inputs, is_batch_size, trace_layers
+from xpipe.capture.batch_rows import check_rows_stay_apart, check_sides_hold_whole_rows
+from xpipe.capture.equal_rows import rows_proven_equal
+from xpipe.capture.trace import Captured, ExportedForm, extract_module, flat_inputs, is_batch_size, trace_layers
 from xpipe.partition import Partition
-from xpipe.spmd.batch_rows import check_rows_stay_apart, check_sides_hold_whole_rows
-from xpipe.spmd.equal_rows import rows_proven_equal
 
 PRE, POST = "pre", "post"
 
@@ -283,7 +283,7 @@ def _side_rows(pre: torch.fx.GraphModule, names: list[str], sample_input: Any) -
 
 def _check_rows_stay_apart(pre: torch.fx.GraphModule, block: torch.fx.GraphModule, side_rows: tuple[bool, ...],
                            sample_input: Any) -> None:
-    """Refuse a first block that mixes its stream's rows (:mod:`xpipe.spmd.batch_rows`),
+    """Refuse a first block that mixes its stream's rows (:mod:`xpipe.capture.batch_rows`),
     run on the host on what ``pre`` makes of the sample (not where a weight is on the
     meta device: the planner's models)."""
     if any(tensor.is_meta for module in (pre, block) for tensor in [*module.parameters(), *module.buffers()]):
@@ -302,7 +302,7 @@ def _doubled(inputs: list[Any]) -> list[Any]:
 def _hold_equal_rows_once(pre: torch.fx.GraphModule, blocks: list[torch.fx.GraphModule],
                           side_rows: tuple[bool, ...], sample_input: Any) -> tuple[bool, ...]:
     """``side_rows`` with each per-row side whose rows are proven equal for any batch
-    (:mod:`xpipe.spmd.equal_rows`) turned into one held whole: ``pre`` returns its first row, each block broadcasts
+    (:mod:`xpipe.capture.equal_rows`) turned into one held whole: ``pre`` returns its first row, each block broadcasts
     it back to the stream's rows. Such a side (a causal mask expanded to the batch)
     would otherwise travel with every row of every microbatch, in the stream's dtype:
     for Llama 3 70B at 2,048 tokens, a fifth of what crosses each stage boundary."""

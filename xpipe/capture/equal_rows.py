@@ -21,7 +21,7 @@ import torch
 import torch.fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from xpipe.capture import flat_inputs
+from xpipe.capture.trace import flat_inputs
 
 aten = torch.ops.aten
 

@@ -5,7 +5,7 @@ the executor places tensors with (:mod:`xpipe.layout`), so a layout can be judge
 before anything is built. docs/scaling.md derives it and checks it against the
 bytes measured on emulated devices.
 
-    memory = xpipe.memory.per_device(stacked=[(2, 4, 1024)], outer=[(128, 32)],
+    memory = xpipe.planner.memory.per_device(stacked=[(2, 4, 1024)], outer=[(128, 32)],
                                      axes=MeshAxes(stage=2, fsdp=4))
     memory.resting            # parameters + gradients + optimizer state, between steps
 """
@@ -51,7 +51,7 @@ def per_device(*, stacked: Iterable[tuple[int, ...]], outer: Iterable[tuple[int,
         outer: shape of each distinct parameter of the layers before and after the body.
         axes: the mesh.
         split: per stacked weight, whether "tensor" splits it in a step (see
-            :mod:`xpipe.tensor_rules`); those left out are not split.
+            :mod:`xpipe.tensor.rules`); those left out are not split.
         itemsize: bytes per element of the weights and their gradients.
         optimizer_states: tensors shaped like a weight that the optimizer keeps for
             it (AdamW and Adam 2, SGD with momentum 1, plain SGD 0).

@@ -9,7 +9,7 @@ input, once for the MLP's).
 
 Joined, the block computes the same features with one matmul whose weight lays
 the parts out tensor-major (each device's share of every part together, as
-:mod:`xpipe.packed_projections` lays out a packed weight), and reads each part
+:mod:`xpipe.tensor.packed_projections` lays out a packed weight), and reads each part
 back from its output; its backward then makes the input's gradient with one
 matmul, reduced once. The weights stay separate parameters, at rest, in
 checkpoints and for the optimizer: only the block's graph joins them, and the
@@ -26,8 +26,8 @@ from collections.abc import Mapping, Sequence
 import torch
 import torch.fx
 
-from xpipe.linear_operands import linear_operands
-from xpipe.packed_projections import copy_of, packed_part
+from xpipe.tensor.linear_operands import linear_operands
+from xpipe.tensor.packed_projections import copy_of, packed_part
 
 aten = torch.ops.aten
 

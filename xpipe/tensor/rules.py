@@ -17,7 +17,7 @@ k and v one after the other (GPT-2's ``c_attn``, ``nn.MultiheadAttention``'s
 ``in_proj_weight``, Phi-3's ``qkv_proj``; and Phi-3's ``gate_up_proj``) are split
 part by part (:class:`Packed`): a contiguous split of the packed features would put
 q on one device and v on another, so each device holds its share of every part
-(:mod:`xpipe.packed_projections`). GPT-NeoX packs them head by head, so a contiguous
+(:mod:`xpipe.tensor.packed_projections`). GPT-NeoX packs them head by head, so a contiguous
 split keeps whole heads, with their q, k and v, on each device.
 
 Experts are split whole, by their first dim: each device of a tensor group holds
@@ -30,7 +30,7 @@ Key/value heads the tensor size does not divide (fewer of them than tensor devic
 keep their projections whole, Megatron's way (:func:`with_shared_key_values`).
 
 Weights no rule names are split as read from the block's graph
-(:mod:`xpipe.tensor_inference`), which also corrects a built-in rule's dim where
+(:mod:`xpipe.tensor.inference`), which also corrects a built-in rule's dim where
 the graph shows the weight split on its other one (:func:`tensor_splits`).
 
 Pure: no torch_xla; the spmd executor applies the rules (:mod:`xpipe.spmd.executor`).
@@ -50,7 +50,7 @@ class Packed:
     """A rule for a weight that packs projections one after the other along ``dim``,
     its output features (q, k and v; gate and up): each part is split over "tensor",
     so that each device holds its own heads of every part. The parts are read from
-    where the block takes the linear's output apart (:mod:`xpipe.packed_projections`);
+    where the block takes the linear's output apart (:mod:`xpipe.tensor.packed_projections`);
     give the linear's bias the rule ``Packed(0)`` too."""
 
     dim: int
@@ -151,7 +151,7 @@ def tensor_splits(names: Iterable[str], shapes: Iterable[tuple[int, ...]], tenso
 
     The user's ``rules`` are tried before the built-in ones; the first pattern
     that matches a name decides. A weight no pattern matches takes its rule from
-    ``inferred`` (by name: what :mod:`xpipe.tensor_inference` read from the
+    ``inferred`` (by name: what :mod:`xpipe.tensor.inference` read from the
     block's graph), and so does one a built-in rule splits where the graph shows it
     split on its other dim: a name alone does not tell an ``nn.Linear``'s
     ``[out, in]`` weight from GPT-2's ``Conv1D`` ``[in, out]`` one (GPTBigCode and

@@ -37,8 +37,8 @@ import torch.fx
 from torch import nn
 from torch.utils._pytree import TreeSpec, tree_flatten, tree_map, tree_unflatten
 
-from xpipe.experts import captured_dense
-from xpipe.substitutes import substitute_operators
+from xpipe.capture.experts import captured_dense
+from xpipe.capture.substitutes import substitute_operators
 
 CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
 

@@ -11,14 +11,14 @@ features; 1-D weights applied to the stream (norms) stay whole.
 
 An opening linear whose output features are taken apart along their outermost
 factor (q, k and v packed one after the other, as in GPT-2's ``c_attn``) is
-*packed*: it is split part by part (:class:`xpipe.tensor_rules.Packed`, built by
-:mod:`xpipe.packed_projections`), and each part reads on as split. Packed per
+*packed*: it is split part by part (:class:`xpipe.tensor.rules.Packed`, built by
+:mod:`xpipe.tensor.packed_projections`), and each part reads on as split. Packed per
 head (GPT-NeoX's ``query_key_value``: the features are reshaped to heads first,
 then each head's are taken apart) is split as any opening linear, whole heads per
 device. To tell the two apart, the reading follows, through every reshape and
 transpose, the dim that holds the outermost factor of the opening features (the
 one a contiguous split divides). Heads folded into the batch dim for attention
-(``nn.MultiheadAttention``) are read unfolded (:mod:`xpipe.head_folds`), as the
+(``nn.MultiheadAttention``) are read unfolded (:mod:`xpipe.tensor.head_folds`), as the
 clock loop runs them.
 
 Features reduced across that dim (a router's softmax over experts), merged into a
@@ -49,9 +49,9 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.func import functional_call
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from xpipe.head_folds import keep_heads_apart, split_last
-from xpipe.linear_operands import linear_operands
-from xpipe.tensor_rules import Packed
+from xpipe.tensor.head_folds import keep_heads_apart, split_last
+from xpipe.tensor.linear_operands import linear_operands
+from xpipe.tensor.rules import Packed
 
 
 class CannotInfer(ValueError):
@@ -100,7 +100,7 @@ _IGNORED = {"_assert_tensor_metadata", "sym_size", "sym_numel", "sym_stride", "_
 
 def infer_tensor_dims(block: nn.Module, inputs: Sequence[Any]) -> dict[str, int | Packed | None]:
     """Each parameter of ``block`` (by its name in ``block.named_parameters()``) with
-    the dim "tensor" splits, :class:`xpipe.tensor_rules.Packed` where it packs
+    the dim "tensor" splits, :class:`xpipe.tensor.rules.Packed` where it packs
     projections one after the other, or None where every device of a tensor group
     holds it whole.
 

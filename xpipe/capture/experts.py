@@ -10,10 +10,10 @@ Mixtral on 2 stages x 4 fsdp ran, in every clock, all-gathers and all-reduces ov
 ("stage", "fsdp") of the hidden states, the routing weights and the expert indices,
 each stage's experts seeing every stage's tokens. The dense form is einsums,
 elementwise products and sums, which stay on their devices; split over "tensor" by
-experts (:mod:`xpipe.tensor_rules`), each device runs its own experts and one sum
+experts (:mod:`xpipe.tensor.rules`), each device runs its own experts and one sum
 over "tensor" adds their outputs.
 
-The cost is the one :mod:`xpipe.substitutes` already paid for XLA's static shapes:
+The cost is the one :mod:`xpipe.capture.substitutes` already paid for XLA's static shapes:
 each expert's matmuls over all the tokens (``experts / top_k`` times the routed
 work) and their activations. Transformers' ``ExpertsInterface`` is the extension
 point: the form is registered there as ``"xpipe_dense"`` and chosen through the

@@ -1,4 +1,4 @@
-"""The module graph: a model, captured (:mod:`xpipe.capture`), as a networkx graph of layers.
+"""The module graph: a model, captured (:mod:`xpipe.capture.trace`), as a networkx graph of layers.
 
 A *layer* is one call of one of the model's own submodules; a transformer block
 stays one unit that a stage boundary never cuts, however deep the model nests
@@ -39,7 +39,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
-from xpipe.capture import Captured, flat_inputs, is_batch_size, trace_layers
+from xpipe.capture.trace import Captured, flat_inputs, is_batch_size, trace_layers
 
 OUTPUT = "output"
 
@@ -50,7 +50,7 @@ def module_graph(
     """Trace ``module`` into a graph of layers, annotated with their costs.
 
     Args:
-        module: the model, captured as :mod:`xpipe.capture` describes (torch.fx,
+        module: the model, captured as :mod:`xpipe.capture.trace` describes (torch.fx,
             or torch.export on ``sample_input`` for models fx cannot trace).
         sample_input: a tensor, a tuple of positional inputs or a dict of keyword
             inputs, for one forward call. With it, layers get output shapes, FLOPs,
@@ -58,7 +58,7 @@ def module_graph(
             module's own device; buffers (BatchNorm running statistics) and the
             global RNG state are left as they were.
         measure_time: also time each layer's forward (needs ``sample_input``).
-        captured: ``module`` as :func:`xpipe.capture.trace_layers` already captured
+        captured: ``module`` as :func:`xpipe.capture.trace.trace_layers` already captured
             it (on ``sample_input``), so that it is not captured again.
 
     Returns:

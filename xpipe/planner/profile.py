@@ -22,12 +22,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from xpipe.capture import trace_layers
+from xpipe.capture.stacking import StackedModel, block_inputs, cut_for_stacking
+from xpipe.capture.trace import trace_layers
 from xpipe.partition import partition_captured
-from xpipe.spmd.stacking import StackedModel, block_inputs, cut_for_stacking
-from xpipe.tensor_inference import CannotInfer, infer_tensor_dims
-from xpipe.tensor_rules import (Packed, Rules, key_value_heads_of, query_head_counts, tensor_splits, unruled,
-                                with_shared_key_values)
+from xpipe.tensor.inference import CannotInfer, infer_tensor_dims
+from xpipe.tensor.rules import Packed, Rules, key_value_heads_of, query_head_counts, unruled
+from xpipe.tensor.splits import block_splits
 
 
 # How many stream-wide tensors a block keeps whole over "tensor" for its backward, as
@@ -61,21 +61,20 @@ class ModelProfile:
     tokens_per_row: int = 0  # a row's sequence length, where known (a config's), for the loss's segments
     stream_rank: int = 3  # dims of the tensor the blocks pass on ([batch, seq, features]: 3)
     # The split dims of the block weights no built-in rule names, read from the block's graph
-    # (xpipe.tensor_inference) where it tells; empty otherwise.
+    # (xpipe.tensor.inference) where it tells; empty otherwise.
     read_tensor_dims: tuple[tuple[str, int | Packed | None], ...] = ()
 
     def tensor_dims(self, tensor: int, rules: Rules | None = None) -> list[int | None]:
         """Each block weight's split dim over ``tensor`` devices (or None), as ``Pipe``
         splits it: by ``rules``, the key/value projections whole where ``tensor`` does not
         divide their heads, and the splits read from the block's graph
-        (:func:`xpipe.tensor_rules.tensor_splits`, whose ``ValueError`` it raises).
+        (:func:`xpipe.tensor.rules.tensor_splits`, whose ``ValueError`` it raises).
 
-        A packed weight (:class:`xpipe.tensor_rules.Packed`), which Pipe splits part by
+        A packed weight (:class:`xpipe.tensor.rules.Packed`), which Pipe splits part by
         part, is planned split along its packed dim: each device holds its share of
         every part."""
         names, shapes = zip(*self.block_weights)
-        rules = with_shared_key_values(rules, self.key_value_heads, tensor)
-        splits = tensor_splits(names, shapes, tensor, rules, dict(self.read_tensor_dims))
+        splits = block_splits(names, shapes, tensor, rules, self.key_value_heads, lambda: dict(self.read_tensor_dims))
         return [rule.dim if isinstance(rule, Packed) else rule for rule in splits]
 
     @property
@@ -180,7 +179,7 @@ def profile_of_config(config: Any, seq: int, itemsize: int = 2, padding_mask: bo
     ``padding_mask``: whether the batches give an ``attention_mask``. Hugging Face then
     builds a ``[rows, 1, seq, seq]`` mask that differs by row, and it travels with each
     row; without one (packed sequences, as pretraining feeds them) its rows are equal,
-    and every stage holds one row of it (:mod:`xpipe.spmd.stacking`).
+    and every stage holds one row of it (:mod:`xpipe.capture.stacking`).
 
     Raises:
         ValueError: naming ``config`` if transformers cannot build a causal LM from
@@ -258,7 +257,7 @@ def _intermediate_size(config: Any, hidden: int) -> int:
 def _inner_per_token(config: Any, intermediate: int) -> int:
     """The MLP's inner width that a block computes per token: ``intermediate``, or for a
     mixture of experts (Mixtral's ``num_local_experts``, Qwen2-MoE's ``num_experts``)
-    every expert's, which :mod:`xpipe.experts` runs on every token, and a shared expert's."""
+    every expert's, which :mod:`xpipe.capture.experts` runs on every token, and a shared expert's."""
     experts = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None)
     if not experts:
         return intermediate

@@ -2,12 +2,12 @@
 
 ``xpipe.plan`` enumerates the spmd executor's layouts (stages x data x fsdp x
 tensor, chunks, schedule, rounds, checkpoint policy) and predicts for each, per
-device: the bytes by kind (the memory model of :mod:`xpipe.memory` for the
+device: the bytes by kind (the memory model of :mod:`xpipe.planner.memory` for the
 weights, gradients, optimizer state and the step's gathered copies; the
 activations from the schedule's own table and the model's profile), the
 bubble (the schedule's table), the bytes each mesh axis moves per step, and a
 step time at the chip's stated peak figures. Nothing is built on a device:
-the plan is arithmetic over a :class:`xpipe.profile.ModelProfile`.
+the plan is arithmetic over a :class:`xpipe.planner.profile.ModelProfile`.
 
 The prediction's terms, and where they are approximate, are in docs/planning.md.
 """
@@ -23,12 +23,12 @@ from typing import Any
 from torch import nn
 
 from xpipe._checks import GATHERS, check_gather, check_optimizer_states, check_positive_int
-from xpipe.recompute import MODES, first_kept_clock
 from xpipe.layout import MeshAxes, is_vocabulary_table, loss_segments, microbatch_slots, outer_step_numel, spread
-from xpipe.memory import per_device
-from xpipe.profile import ModelProfile, profile_of_config, profile_of_model
+from xpipe.planner.memory import per_device
+from xpipe.planner.profile import ModelProfile, profile_of_config, profile_of_model
+from xpipe.recompute import MODES, first_kept_clock
 from xpipe.schedule import Schedule, circular, gpipe
-from xpipe.tensor_rules import Rules
+from xpipe.tensor.rules import Rules
 
 GiB = 1 << 30
 KINDS = ("parameters", "gradients", "optimizer", "gathered", "activations")
@@ -166,7 +166,7 @@ def plan(model: nn.Module | ModelProfile | Any, *, devices: int, batch: int, chi
     Args:
         model: an ``nn.Module`` (with ``sample_input``), a Hugging Face config (the
             model is built on the meta device, at sequence length ``seq``), or a
-            :class:`xpipe.profile.ModelProfile`.
+            :class:`xpipe.planner.profile.ModelProfile`.
         devices: chips in all.
         batch: rows of the global batch (sequences, for a language model).
         chip: a preset's name or a :class:`Chip`.

@@ -8,8 +8,8 @@ features) and gathers q, k and v onto every device of a tensor group. The same
 values come from one reshape of the features into ``[heads, d]`` and one permute,
 which XLA keeps split. :func:`keep_heads_apart` finds such folds in a block's graph
 and makes them so, where the two are checked to compute the same; the reading of
-the tensor splits (:mod:`xpipe.tensor_inference`) and the block the clock loop runs
-(:mod:`xpipe.packed_projections`) both see the rewritten form.
+the tensor splits (:mod:`xpipe.tensor.inference`) and the block the clock loop runs
+(:mod:`xpipe.tensor.packed_projections`) both see the rewritten form.
 
 Pure: torch only, no torch_xla.
 """
@@ -22,7 +22,7 @@ from collections.abc import Callable
 import torch
 import torch.fx
 
-from xpipe.spmd.stacking import reshaped_view
+from xpipe.capture.stacking import reshaped_view
 
 aten = torch.ops.aten
 

@@ -11,7 +11,7 @@ which torch_xla's eager path refuses on integers and ``torch.vmap`` cannot batch
 (with it inside the spmd executor's stacked blocks, the process crashed). xpipe
 rewrites such calls in the graphs it captures to functions of plain torch
 operations with the same meaning. (xpipe captures transformers' experts layers in
-a dense form, :mod:`xpipe.experts`, which calls neither; these rewrites serve the
+a dense form, :mod:`xpipe.capture.experts`, which calls neither; these rewrites serve the
 graphs where that form is not chosen.)
 
 The substitute also suits XLA better than the original: it has static shapes (the

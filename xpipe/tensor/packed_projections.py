@@ -12,7 +12,7 @@ on another. Each part is split instead, Megatron's way:
 - in the block's graph, where the plain block took the linear's whole output
   apart, each part is read from that tensor-major output (:func:`split_packed`);
 - where the block then folds the heads into the batch dim before attention
-  (``nn.MultiheadAttention``), it unfolds them (:mod:`xpipe.head_folds`).
+  (``nn.MultiheadAttention``), it unfolds them (:mod:`xpipe.tensor.head_folds`).
 
 What the parts are is read from the block, not given: where its graph takes the
 linear's output apart along the features (a split, a chunk, slices, an unflatten
@@ -35,8 +35,8 @@ from torch._guards import detect_fake_mode
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.fx.passes.shape_prop import ShapeProp
 
-from xpipe.head_folds import RESHAPES, keep_heads_apart
-from xpipe.linear_operands import linear_operands
+from xpipe.tensor.head_folds import RESHAPES, keep_heads_apart
+from xpipe.tensor.linear_operands import linear_operands
 
 aten = torch.ops.aten
 

@@ -1,0 +1,14 @@
+"""Planning a layout before anything is built: ``xpipe.plan`` and ``xpipe-plan``.
+
+- :mod:`xpipe.planner.search`: the layouts the spmd executor runs, each predicted
+  (bytes per device by kind, bubble, communication, step time), best first.
+- :mod:`xpipe.planner.profile`: a model (or a Hugging Face config, on the meta
+  device) as the planner sees it.
+- :mod:`xpipe.planner.memory`: the bytes of weights, gradients and optimizer state
+  per device on a mesh.
+- :mod:`xpipe.planner.cli`: the ``xpipe-plan`` command.
+"""
+
+from xpipe.planner.search import GiB, KINDS, PRESETS, Chip, Layout, Plan, Prediction, layouts, plan, predict, preset
+
+__all__ = ["GiB", "KINDS", "PRESETS", "Chip", "Layout", "Plan", "Prediction", "layouts", "plan", "predict", "preset"]

@@ -30,6 +30,7 @@ from xpipe.layout import spread
 from xpipe.mesh import axes_of, make_mesh, mesh_axes, spmd_device
 from xpipe.partition import Partition, partition_captured, rebalanced, spmd_balance, spmd_partition
 from xpipe.schedule import Schedule, by_name, check_ring_chunks
+from xpipe.spmd.clock import SpmdOptions
 from xpipe.spmd.executor import SCHEDULES as SPMD_SCHEDULES
 from xpipe.spmd.executor import SpmdPipeline, padded_chunks
 from xpipe.spmd.sequence_parallel import check_sequence_dim
@@ -153,9 +154,9 @@ def build_spmd(capture: ModelCapture, options: Options) -> Built:
     rebind(module, move_keeping_ties([stacked.pre, stacked.post], device))
     for piece in {stacked.pre, *stacked.blocks, stacked.post, *layout.templates.values()}:  # templates' constants
         place_constants_on(piece, device)
-    runner = SpmdPipeline(stacked, mesh, layout.schedule, options.chunks, options.checkpoint, device,
-                          tie_groups(module), layout.dims, options.gather, layout.templates, layout.packed,
-                          options.sequence_parallel)
+    spmd_options = SpmdOptions(layout.schedule, options.chunks, options.checkpoint, layout.dims, options.gather,
+                               layout.templates, layout.packed, options.sequence_parallel)
+    runner = SpmdPipeline(stacked, mesh, device, tie_groups(module), spmd_options)
     retire(module, [p for block in stacked.blocks for p in block.parameters()])
     return Built(runner, layout.partition, layout.schedule, mesh, [device])
 

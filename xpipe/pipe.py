@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import torch_xla.distributed.spmd as xs
 from torch import nn
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import tree_flatten
 
 from xpipe._batch import batch_size, check_floating_inputs
 from xpipe._checks import check_gather, check_positive_int
@@ -151,20 +151,12 @@ class Pipe(nn.Module):
         super().__init__()
         if not isinstance(module, nn.Module):
             raise TypeError(f"module: expected a torch.nn.Module, got {type(module).__name__}")
-        self.chunks = check_positive_int(chunks, "chunks")
-        self.checkpoint = check_mode(checkpoint)
-        if not isinstance(deferred_batch_norm, bool):
-            raise ValueError(f"deferred_batch_norm: must be True or False, got {deferred_batch_norm!r}")
-        self.virtual = check_positive_int(virtual, "virtual")
-        check_schedule(schedule, virtual)  # an unknown name, or a virtual it cannot run, fails before device work
         if loss_fn is not None and not callable(loss_fn):
             raise TypeError(f"loss_fn: expected a callable loss_fn(output, target), got {type(loss_fn).__name__}")
         self.__dict__["loss_fn"] = loss_fn  # not a submodule: the loss is not part of the model's state
-        if not isinstance(sequence_parallel, bool):
-            raise ValueError(f"sequence_parallel: must be True or False, got {sequence_parallel!r}")
-        options = Options(self.chunks, stages, balance, mesh, schedule, self.virtual, self.checkpoint,
-                          deferred_batch_norm, check_rules(tensor_rules), check_gather(gather, self.checkpoint),
-                          sequence_parallel)
+        options = _checked_options(chunks, stages, balance, mesh, schedule, virtual, checkpoint, deferred_batch_norm,
+                                   tensor_rules, gather, sequence_parallel)
+        self.chunks, self.checkpoint, self.virtual = options.chunks, options.checkpoint, options.virtual
         capture = ModelCapture(module, sample_input)
         self.executor = choose_executor(executor, capture, options)
         self._original_keys = list(module.state_dict(keep_vars=True))
@@ -201,15 +193,7 @@ class Pipe(nn.Module):
                              "loss_fn=... (e.g. torch.nn.CrossEntropyLoss()), or call pipe(x) and compute it yourself")
         inputs, microbatch_dim = self._prepared(*_positional_and_keyword(inputs), microbatch_dim)
         _check_target(target, batch_size(inputs, self.chunks, microbatch_dim), self.chunks, microbatch_dim)
-        if self.executor == "devices":
-            return self.runner.step(inputs, target, self.loss_fn, microbatch_dim)
-        output = self.runner(*inputs, microbatch_dim=microbatch_dim)
-        with self.runner.loss_over_segments:  # a language model's cross-entropy, a segment of the logits at a time
-            loss = self.loss_fn(output, tree_map(lambda t: t.to(self.devices[0]), target))
-        if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
-            raise ValueError("loss_fn: must return a scalar tensor")
-        loss.backward()
-        return loss.detach()
+        return self.runner.step(inputs, target, self.loss_fn, microbatch_dim)
 
     def _prepared(self, inputs: tuple, keyword_inputs: dict[str, Any],
                   microbatch_dim: int | None) -> tuple[tuple, int | None]:
@@ -220,13 +204,10 @@ class Pipe(nn.Module):
         if not inputs:
             raise TypeError("x: pass the model's input (a tensor, or a tuple of tensors)")
         batch_size(inputs, self.chunks, microbatch_dim)
-        check_floating_inputs(inputs, self._weight_dtype())
+        check_floating_inputs(inputs, next((p.dtype for p in self.parameters() if p.is_floating_point()), None))
         if microbatch_dim is not None:
             microbatch_dim %= tree_flatten(inputs)[0][0].dim()
         return inputs, microbatch_dim
-
-    def _weight_dtype(self) -> torch.dtype | None:
-        return next((p.dtype for p in self.parameters() if p.is_floating_point()), None)
 
     def _apply(self, fn, recurse: bool = True):
         raise TypeError(  # torchgpipe's type for a refused move
@@ -255,12 +236,7 @@ class Pipe(nn.Module):
         if strict and (missing or unexpected):
             raise RuntimeError(f"state_dict: missing keys {missing}, unexpected keys {unexpected}")
         targets = {key: self.runner.state.state_tensor(key) for key in state_dict if key in self._original_keys}
-        _check_shapes(state_dict, targets)
-        shardings = kept_shardings([*self.parameters(), *self.buffers()])
-        with torch.no_grad():
-            for key, target in targets.items():
-                target.copy_(state_dict[key].to(target.device, target.dtype))
-        restore_shardings(shardings)
+        _copy_into(targets, state_dict, [*self.parameters(), *self.buffers()])
         return nn.modules.module._IncompatibleKeys(missing, unexpected)
 
     def checkpoint_state(self) -> CheckpointState:
@@ -279,6 +255,22 @@ class Pipe(nn.Module):
         return self.runner.state.named_gradients()
 
 
+def _checked_options(chunks: int, stages: int | None, balance: Sequence[int] | None, mesh: xs.Mesh | None,
+                     schedule: str, virtual: int, checkpoint: str, deferred_batch_norm: bool,
+                     tensor_rules: Mapping[str, int | None] | None, gather: str, sequence_parallel: bool) -> Options:
+    """``Pipe``'s arguments checked, each refused by name before any device work."""
+    chunks = check_positive_int(chunks, "chunks")
+    checkpoint = check_mode(checkpoint)
+    if not isinstance(deferred_batch_norm, bool):
+        raise ValueError(f"deferred_batch_norm: must be True or False, got {deferred_batch_norm!r}")
+    virtual = check_positive_int(virtual, "virtual")
+    check_schedule(schedule, virtual)  # an unknown name, or a virtual it cannot run, fails before device work
+    if not isinstance(sequence_parallel, bool):
+        raise ValueError(f"sequence_parallel: must be True or False, got {sequence_parallel!r}")
+    return Options(chunks, stages, balance, mesh, schedule, virtual, checkpoint, deferred_batch_norm,
+                   check_rules(tensor_rules), check_gather(gather, checkpoint), sequence_parallel)
+
+
 def _positional_and_keyword(inputs: Any) -> tuple[tuple, dict[str, Any]]:
     """What ``pipe.step`` was given as the model's inputs, as ``pipe(...)``'s positional
     and keyword inputs: a dict is keywords, a tuple or list positional, else one input."""
@@ -287,12 +279,19 @@ def _positional_and_keyword(inputs: Any) -> tuple[tuple, dict[str, Any]]:
     return (tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)), {}
 
 
-def _check_shapes(state_dict: Mapping[str, torch.Tensor], targets: dict[str, torch.Tensor]) -> None:
-    """Every tensor ``load_state_dict`` would copy has its target's shape."""
+def _copy_into(targets: dict[str, torch.Tensor], state_dict: Mapping[str, torch.Tensor],
+               held: list[torch.Tensor]) -> None:
+    """``state_dict``'s tensors copied into ``targets`` by key, each checked for its
+    target's shape first; the shardings of the ``held`` tensors kept as they were."""
     for key, target in targets.items():
         if target.shape != state_dict[key].shape:
             raise RuntimeError(f"state_dict: {key!r} has shape {list(state_dict[key].shape)}, "
                                f"expected {list(target.shape)}")
+    shardings = kept_shardings(held)
+    with torch.no_grad():
+        for key, target in targets.items():
+            target.copy_(state_dict[key].to(target.device, target.dtype))
+    restore_shardings(shardings)
 
 
 def _in_order(inputs: tuple, keyword_inputs: dict[str, Any], names: tuple[str, ...]) -> tuple:

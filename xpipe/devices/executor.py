@@ -46,7 +46,7 @@ from xpipe.devices.loss import StepLoss, restore_grads, saved_grads
 from xpipe.devices.microbatch import keyed_leaves, launch, microbatches_of, on_host
 from xpipe.devices.stages import StagedModel
 from xpipe.devices.state import ModuleState
-from xpipe.devices.step import PipelineFunction, Step
+from xpipe.devices.step import PipelineFunction, Step, StepCells
 from xpipe.devices.ties import TiedCopies
 from xpipe.recompute import kept_cells
 from xpipe.reduction import declares_reduction, tells_reductions_apart
@@ -66,24 +66,6 @@ class Event(NamedTuple):
     microbatch: int
     launched: float
     ready: float
-
-
-class StepCells(NamedTuple):
-    """The cells a step of some number of microbatches runs, by clock.
-
-    Attributes:
-        schedule: the schedule for that many microbatches.
-        forward: the table's forward cells, by clock.
-        backward: its backward cells by clock, if every forward comes before every
-            backward and each backward is whole (``B``); otherwise None, and only
-            :meth:`DevicesPipeline.step` can train with the schedule.
-        kept: the (model stage, microbatch) cells that keep their activations.
-    """
-
-    schedule: Schedule
-    forward: list[list[Action]]
-    backward: list[list[Action]] | None
-    kept: frozenset[tuple[int, int]]
 
 
 class DevicesPipeline(nn.Module):
@@ -193,7 +175,7 @@ class DevicesPipeline(nn.Module):
                       for p in self.stage_parameters(stage)]
         with _guard_failures_explained():
             leaves = PipelineFunction.apply(step, *[x for _, x in wanted], *parameters)
-        return self._folded(tree_unflatten(list(leaves), step.output_spec))
+        return self.folded(tree_unflatten(list(leaves), step.output_spec))
 
     def step(self, inputs: tuple[Any, ...], target: Any, loss_fn: Callable[[Any, Any], torch.Tensor],
              microbatch_dim: int | None = None) -> torch.Tensor:
@@ -254,7 +236,7 @@ class DevicesPipeline(nn.Module):
         self._held_bytes[rank] += size
         self.peak_held_bytes[rank] = max(self.peak_held_bytes[rank], self._held_bytes[rank])
 
-    def _folded(self, output: Any) -> Any:
+    def folded(self, output: Any) -> Any:
         """The last stage's output as the model returns it (torch.export's flat outputs folded)."""
         if self.staged.exported is not None:
             return self.staged.exported.folded(output)

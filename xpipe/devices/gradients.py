@@ -12,35 +12,35 @@ from __future__ import annotations
 import functools
 import operator
 from collections import defaultdict
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch.utils._pytree import tree_flatten
 
 from xpipe.devices.microbatch import merged, moved
 
-if TYPE_CHECKING:
-    from xpipe.devices.executor import DevicesPipeline
-
 
 class StepGradients:
     """A step's gradients in flight and summed.
 
     Args:
-        pipeline: the executor whose stages' weights they are.
+        parameters: per model stage, the trainable weights it runs with (a tied
+            weight's copy where it lives on another stage's device).
+        owner: the Parameter a weight of ``parameters`` is (itself, or what it copies).
         inputs: per microbatch, the model's inputs by name.
         microbatch_dim: as the step's inputs were given.
         input_grads: (input name, leaf index) of the model inputs that require grad.
     """
 
-    def __init__(self, pipeline: DevicesPipeline, inputs: list[dict[str, Any]], microbatch_dim: int | None,
-                 input_grads: list[tuple[str, int]]) -> None:
-        self.pipeline, self.inputs, self.microbatch_dim, self.input_grads = pipeline, inputs, microbatch_dim, input_grads
+    def __init__(self, parameters: list[list[torch.Tensor]], owner: Callable[[torch.Tensor], torch.Tensor],
+                 inputs: list[dict[str, Any]], microbatch_dim: int | None, input_grads: list[tuple[str, int]]) -> None:
+        self.parameters, self.owner = parameters, owner
+        self.inputs, self.microbatch_dim, self.input_grads = inputs, microbatch_dim, input_grads
         self.chunks = len(inputs)
         # per microbatch: (value name, leaf index) -> gradients from the stages that read the value
         self.received: list[dict[tuple[str, int], list[torch.Tensor]]] = [defaultdict(list) for _ in inputs]
-        self.accumulated: list[list[torch.Tensor | None]] = [
-            [None] * len(pipeline.stage_parameters(stage)) for stage in range(len(pipeline.stage_modules))]
+        self.accumulated: list[list[torch.Tensor | None]] = [[None] * len(stage) for stage in parameters]
 
     def send(self, microbatch: int, key: tuple[str, int], grad: torch.Tensor) -> None:
         """Send ``grad`` back to the maker of ``microbatch``'s value leaf ``key``."""
@@ -70,16 +70,14 @@ class StepGradients:
     def parameter_grads(self) -> list[torch.Tensor | None]:
         """The step's gradient of each stage's weights, in ``stage_parameters`` order; a
         tied weight's copy's gradient moved to the device of the Parameter it copies."""
-        ties = self.pipeline.ties
-        used = [p for stage in range(len(self.accumulated)) for p in self.pipeline.stage_parameters(stage)]
+        used = [p for stage in self.parameters for p in stage]
         grads = [grad for totals in self.accumulated for grad in totals]
-        return [g if g is None or ties.owner(p) is p else g.to(ties.owner(p).device) for p, g in zip(used, grads)]
+        return [g if g is None or self.owner(p) is p else g.to(self.owner(p).device) for p, g in zip(used, grads)]
 
     def accumulate_into_grads(self, model_inputs: list[torch.Tensor]) -> None:
         """Add the step's gradients to ``.grad`` of the weights and of ``model_inputs``
         (the model inputs that require grad), as ``loss.backward()`` would."""
-        parameters = [self.pipeline.ties.owner(p) for stage in range(len(self.accumulated))
-                      for p in self.pipeline.stage_parameters(stage)]
+        parameters = [self.owner(p) for stage in self.parameters for p in stage]
         grads = self.parameter_grads() + self.model_input_grads(tuple(model_inputs))
         with torch.no_grad():
             for tensor, grad in zip(parameters + model_inputs, grads):

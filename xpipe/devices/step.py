@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any, NamedTuple
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, NamedTuple, Protocol
 
 import torch
 import torch_xla.core.xla_model as xm
@@ -22,42 +22,86 @@ from torch import nn
 from torch.utils._pytree import TreeSpec, tree_flatten
 
 from xpipe._batch import check_outputs, rows
+from xpipe._batchnorm import RunningStatistics
 from xpipe._xla import settle_autograd
 from xpipe.devices.gradients import StepGradients
 from xpipe.devices.loss import StepLoss
 from xpipe.devices.microbatch import (byte_count, differentiable, keyed_leaves, launch, merged, microbatches_of, moved,
                                       on_host, xla_tensors)
-from xpipe.devices.stages import StageProgram
+from xpipe.devices.stages import StagedModel, StageProgram
+from xpipe.devices.state import ModuleState
+from xpipe.devices.ties import TiedCopies
 from xpipe.reduction import model_loss_items, shares
-from xpipe.schedule import BACKWARD, FORWARD, WEIGHT_GRAD, Action
+from xpipe.schedule import BACKWARD, FORWARD, WEIGHT_GRAD, Action, Schedule
 
-if TYPE_CHECKING:
-    from xpipe.devices.executor import DevicesPipeline, StepCells
+
+class StepCells(NamedTuple):
+    """The cells a step of some number of microbatches runs, by clock.
+
+    Attributes:
+        schedule: the schedule for that many microbatches.
+        forward: the table's forward cells, by clock.
+        backward: its backward cells by clock, if every forward comes before every
+            backward and each backward is whole (``B``); otherwise None, and only
+            :meth:`xpipe.devices.executor.DevicesPipeline.step` can train with the schedule.
+        kept: the (model stage, microbatch) cells that keep their activations.
+    """
+
+    schedule: Schedule
+    forward: list[list[Action]]
+    backward: list[list[Action]] | None
+    kept: frozenset[tuple[int, int]]
+
+
+class Stages(Protocol):
+    """What a step asks of the pipeline it runs on: its stages (their programs, devices
+    and weights), the running statistics and tied weights they share, and a runner of
+    cells clock by clock. :class:`xpipe.devices.executor.DevicesPipeline` is one."""
+
+    staged: StagedModel
+    devices: list[torch.device]
+    stage_devices: list[torch.device]
+    last_stage: int
+    batch_norm: RunningStatistics
+    ties: TiedCopies
+    state: ModuleState
+
+    def stage_parameters(self, stage: int) -> list[torch.Tensor]: ...
+
+    def run_stage(self, stage: int, *args: Any) -> Any: ...
+
+    def hold(self, stage: int, size: int) -> None: ...
+
+    def folded(self, output: Any) -> Any: ...
+
+    def run_cells(self, clocks: Sequence[Sequence[Action | None]],
+                  cell: Callable[[Action], list[torch.Tensor]]) -> None: ...
 
 
 class Step:
     """The state of one training step: values in flight, kept activations, gradients."""
 
-    def __init__(self, pipeline: DevicesPipeline, cells: StepCells, split: list[list[Any]],
+    def __init__(self, stages: Stages, cells: StepCells, split: list[list[Any]],
                  microbatch_dim: int | None, *, differentiating: bool, input_grads: list[tuple[str, int]]) -> None:
-        self.pipeline = pipeline
+        self.stages = stages
         self.cells = cells
         self.differentiating = differentiating  # False under torch.no_grad(): nothing to keep
-        microbatches = [dict(zip(pipeline.staged.inputs, values)) for values in zip(*split)]
+        microbatches = [dict(zip(stages.staged.inputs, values)) for values in zip(*split)]
         self.values = microbatches  # per microbatch: value name -> tensor, on the device that made it
         self.inputs = [dict(values) for values in microbatches]  # the model's inputs, per microbatch
         self.chunks = len(microbatches)
         self.microbatch_dim = microbatch_dim
         self.input_grads = input_grads  # (input name, leaf index) of the model inputs that require grad
         # values whose gradient goes somewhere: made by a stage, or a model input that requires grad
-        self.differentiable = ({name for p in pipeline.staged.stages for name in p.outputs}
+        self.differentiable = ({name for p in stages.staged.stages for name in p.outputs}
                                | {name for name, _ in input_grads})
         # (stage, microbatch) -> (inputs, outputs) if kept, or (inputs, RNG seed) to recompute
         self.kept: dict[tuple[int, int], tuple[list[Any], Any]] = {}
         self.outputs: list[list[torch.Tensor]] = [[] for _ in microbatches]
         self.output_spec: TreeSpec | None = None
         self.output_grads: list[list[torch.Tensor | None]] = []
-        self.gradients = StepGradients(pipeline, self.inputs, microbatch_dim, input_grads)
+        parameters = [stages.stage_parameters(stage) for stage in range(len(stages.staged.stages))]
+        self.gradients = StepGradients(parameters, stages.ties.owner, self.inputs, microbatch_dim, input_grads)
         self.held: dict[tuple[int, int], int] = {}  # (stage, microbatch) -> bytes kept for its backward
         # (stage, microbatch) -> (outputs, their gradients): what a W cell differentiates
         self.weight_work: dict[tuple[int, int], tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
@@ -72,35 +116,35 @@ class Step:
         if action.kind == FORWARD:
             return self.forward_cell(action)
         if action.kind in (BACKWARD, WEIGHT_GRAD):  # what the cell's forward held is let go
-            self.pipeline.hold(action.stage, -self.held.pop((action.stage, action.microbatch)))
+            self.stages.hold(action.stage, -self.held.pop((action.stage, action.microbatch)))
         if action.kind == WEIGHT_GRAD:
             return self.weight_cell(action)
         return self.backward_cell(action, weights=action.kind == BACKWARD)
 
     def forward_cell(self, action: Action) -> list[torch.Tensor]:
         stage, microbatch = action.stage, action.microbatch
-        program = self.pipeline.staged.stages[stage]
-        device = self.pipeline.stage_devices[stage]
+        program = self.stages.staged.stages[stage]
+        device = self.stages.stage_devices[stage]
         args = [moved(self.values[microbatch][name], device) for name in program.inputs]
         saved: list[torch.Tensor] = []
-        statistics = self.pipeline.batch_norm.updating()
+        statistics = self.stages.batch_norm.updating()
         if self.keeps(stage, microbatch):
             args = self._as_leaves(program, args)
             with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_collect_into(saved), _itself), \
                     statistics:
-                out = self.pipeline.run_stage(stage, *args)
+                out = self.stages.run_stage(stage, *args)
                 result = self._result(stage, microbatch, out)
             self.kept[stage, microbatch] = (args, Kept(result))
         else:
             if self.differentiating:
                 self.kept[stage, microbatch] = (args, xm.get_rng_state(device))
             with torch.no_grad(), statistics:
-                out = self.pipeline.run_stage(stage, *args)
+                out = self.stages.run_stage(stage, *args)
                 result = self._result(stage, microbatch, out)
         if self.differentiating:
             self.held[stage, microbatch] = byte_count(args) + byte_count(saved)
-            self.pipeline.hold(stage, self.held[stage, microbatch])
-        if stage != self.pipeline.last_stage:
+            self.stages.hold(stage, self.held[stage, microbatch])
+        if stage != self.stages.last_stage:
             leaves = list(out)
             self.values[microbatch].update(zip(program.outputs, leaves))
         elif self.loss is not None:
@@ -114,18 +158,18 @@ class Step:
     def _result(self, stage: int, microbatch: int, out: Any) -> Any:
         """What the backward differentiates: a stage's outputs, or on the last stage under
         ``pipe.step``, the microbatch's share of the loss."""
-        if stage != self.pipeline.last_stage:
+        if stage != self.stages.last_stage:
             return out
         check_outputs(out, self._rows(microbatch))
         if self.loss is None:
             return out
-        return self.loss.share(microbatch, self.pipeline._folded(out))
+        return self.loss.share(microbatch, self.stages.folded(out))
 
     def backward_cell(self, action: Action, *, weights: bool) -> list[torch.Tensor]:
         """A full backward (``B``), or with ``weights=False`` the input's gradient only
         (``I``), whose graph is kept for the ``W`` cell."""
         stage, microbatch = action.stage, action.microbatch
-        program = self.pipeline.staged.stages[stage]
+        program = self.stages.staged.stages[stage]
         args, kept = self.kept.pop((stage, microbatch))
         if isinstance(kept, Kept):
             return self._gradients(stage, microbatch, args, kept.outputs, weights=weights)
@@ -133,9 +177,9 @@ class Step:
         # Buffers come back only after the gradients: a backward may read a buffer that the
         # recomputation wrote (BatchNorm's counter), and would see it changed in place.
         with _buffers_restored(program.module):
-            with torch.enable_grad(), _rng_replayed(self.pipeline.stage_devices[stage], kept), \
-                    self.pipeline.batch_norm.recomputing():
-                out = self._result(stage, microbatch, self.pipeline.run_stage(stage, *args))
+            with torch.enable_grad(), _rng_replayed(self.stages.stage_devices[stage], kept), \
+                    self.stages.batch_norm.recomputing():
+                out = self._result(stage, microbatch, self.stages.run_stage(stage, *args))
             gradients = self._gradients(stage, microbatch, args, out, weights=weights)
         # Launched with the gradients: restored buffers left pending while the device runs
         # the gradients' graph read device data that run gives away (seen: the next
@@ -145,7 +189,7 @@ class Step:
     def weight_cell(self, action: Action) -> list[torch.Tensor]:
         """``W``: the weights' gradients from the graph the ``I`` cell kept."""
         outputs, grads = self.weight_work.pop((action.stage, action.microbatch))
-        parameters = self.pipeline.stage_parameters(action.stage)
+        parameters = self.stages.stage_parameters(action.stage)
         if not outputs or not parameters:
             return []
         found = torch.autograd.grad(outputs, parameters, grads, allow_unused=True)
@@ -155,9 +199,9 @@ class Step:
                    weights: bool) -> list[torch.Tensor]:
         """Gradients of a stage's inputs (sent on to their makers) and, with ``weights``,
         of its weights (summed over microbatches); without, the graph waits for ``W``."""
-        program = self.pipeline.staged.stages[stage]
-        device = self.pipeline.stage_devices[stage]
-        if stage != self.pipeline.last_stage:
+        program = self.stages.staged.stages[stage]
+        device = self.stages.stage_devices[stage]
+        if stage != self.stages.last_stage:
             keyed = keyed_leaves(program.outputs, out)
             leaves = [leaf for _, leaf in keyed]
             grads = [self.gradients.received_grad(microbatch, key, device) for key, _ in keyed]
@@ -174,7 +218,7 @@ class Step:
             return []
         wrt = [(key, a) for key, a in keyed_leaves(program.inputs, args)
                if isinstance(a, torch.Tensor) and a.requires_grad]
-        parameters = self.pipeline.stage_parameters(stage) if weights else []
+        parameters = self.stages.stage_parameters(stage) if weights else []
         if not wrt and not parameters:
             return []
         found = torch.autograd.grad(outputs, [a for _, a in wrt] + parameters, output_grads,
@@ -207,8 +251,8 @@ class Step:
     def scalar_shares(self) -> list[torch.Tensor | float]:
         """How much each microbatch's scalar output (the model's own loss) weighs in the
         batch's: its share of the items the loss averages over (:mod:`xpipe.reduction`)."""
-        module = self.pipeline.state.module
-        last = self.pipeline.stage_devices[-1]
+        module = self.stages.state.module
+        last = self.stages.stage_devices[-1]
         items = [model_loss_items(module, {name: on_host(value) if name == "labels" else value
                                            for name, value in inputs.items()}) for inputs in self.inputs]
         return [moved(share, last) for share in shares(items)]
@@ -218,7 +262,7 @@ class Step:
         split = [[None] * self.chunks if g is None else
                  [g * share for share in self.scalar_shares] if g.dim() == 0 else
                  microbatches_of(g, sizes, self.microbatch_dim) for g in grads]
-        last = self.pipeline.stage_devices[-1]
+        last = self.stages.stage_devices[-1]
         self.output_grads = [[moved(g, last) for g in per_leaf] for per_leaf in zip(*split)]
 
 
@@ -236,16 +280,16 @@ class PipelineFunction(torch.autograd.Function):
     def forward(ctx, step: Step, *inputs_then_parameters: torch.Tensor) -> tuple[torch.Tensor, ...]:
         ctx.step = step
         ctx.inputs = inputs_then_parameters[:len(step.input_grads)]
-        step.pipeline.run_cells(step.cells.forward, step.forward_cell)
-        step.pipeline.batch_norm.commit()
+        step.stages.run_cells(step.cells.forward, step.forward_cell)
+        step.stages.batch_norm.commit()
         return tuple(step.end_forward())
 
     @staticmethod
     def backward(ctx, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         step: Step = ctx.step
         step.set_output_grads(grads)
-        step.pipeline.run_cells(step.cells.backward, step.cell)
-        settle_autograd(step.pipeline.devices)
+        step.stages.run_cells(step.cells.backward, step.cell)
+        settle_autograd(step.stages.devices)
         input_grads = step.gradients.model_input_grads(ctx.inputs)
         del ctx.step, ctx.inputs
         return (None, *input_grads, *step.gradients.parameter_grads())

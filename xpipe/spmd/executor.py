@@ -25,10 +25,8 @@ time.
 
 from __future__ import annotations
 
-import contextlib
-import math
-from collections.abc import Callable, Mapping, Sequence
-from functools import partial
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch_xla.distributed.spmd as xs
@@ -41,19 +39,19 @@ from xpipe._batch import check_outputs
 from xpipe._batchnorm import RunningStatistics
 from xpipe.capture.stacking import StackedModel
 from xpipe.layout import spread
-from xpipe.recompute import first_kept_clock, recompute
-from xpipe.schedule import Schedule
-from xpipe.spmd.conveyor import SlotLayout, column_tables, from_slots, slot_layout, make_tick, to_slots
-from xpipe.spmd.dropout import cell_keys, hashed_dropout
+from xpipe.recompute import first_kept_clock
+from xpipe.spmd.clock import ClockBody, SpmdOptions
+from xpipe.spmd.conveyor import SlotLayout, column_tables, from_slots, slot_layout, to_slots
+from xpipe.spmd.dropout import cell_keys
 from xpipe.spmd.lowering import ShardableOps
-from xpipe.spmd.ordering import after_gradient, behind, fenced, read_after, tied_to
+from xpipe.spmd.ordering import fenced, read_after
 from xpipe.spmd.placement import Placement
 from xpipe.spmd.segmented_loss import LossOverSegments
-from xpipe.spmd.sequence_parallel import SequenceSlices, check_sequence_dim
+from xpipe.spmd.sequence_parallel import check_sequence_dim
 from xpipe.spmd.sides import Packing, packing_for
 from xpipe.spmd.stacked_weights import StackedWeights
 from xpipe.spmd.state_map import StateMap
-from xpipe.tensor.packed_projections import PackedLinear, packed_parts
+from xpipe.tensor.packed_projections import packed_parts
 
 SCHEDULES = ("gpipe", "circular")  # the schedules whose clock loop this executor runs
 
@@ -71,41 +69,27 @@ class SpmdPipeline(nn.Module):
     Args:
         stacked: the model cut around its repeated body.
         mesh: a mesh with a "stage" axis, and "data" and "fsdp" (``xpipe.make_mesh``).
-        schedule: what every step runs: GPipe's, or circular's with ``schedule.virtual``
-            model stages per stage group (model stage ``j`` on stage ``j % S``), over
-            :func:`padded_chunks` microbatches.
-        chunks: microbatches per step, as the user asked (at most ``schedule.chunks``).
-        checkpoint: ``"always"``, ``"except_last"`` or ``"never"``.
         device: the SPMD XLA device.
         keys: the wrapped module's ``state_dict`` keys, in order, each with the keys
             that name the same tensor (tied weights).
-        dims: per block parameter, the dim "tensor" splits, or None (:func:`xpipe.tensor.rules.tensor_dims`).
-        gather: when the "fsdp" shards are gathered: ``"step"`` or ``"block"``.
-        templates: the block the clock loop runs, in train (True) and eval mode: block 0,
-            or its copy that splits ``packed`` part by part
-            (:func:`xpipe.tensor.packed_projections.split_packed`), one per mode where it was
-            captured again as operations (``xpipe.build.split_packed_weights``).
-        packed: the linears whose packed weights the loop gets tensor-major.
-        sequence_parallel: hold the stream between the blocks' tensor-parallel regions
-            as sequence slices over "tensor" (:mod:`xpipe.spmd.sequence_parallel`).
+        options: the schedule, chunks, recomputation, tensor split and gather choice
+            (:class:`xpipe.spmd.clock.SpmdOptions`).
 
     Attributes:
         state: where each ``state_dict`` key lives (:class:`xpipe.spmd.state_map.StateMap`).
+        body: the stacked block weights (:class:`xpipe.spmd.stacked_weights.StackedWeights`).
     """
 
-    def __init__(self, stacked: StackedModel, mesh: xs.Mesh, schedule: Schedule, chunks: int, checkpoint: str,
-                 device: torch.device, keys: dict[str, tuple[str, ...]], dims: list[int | None],
-                 gather: str = "step", templates: Mapping[bool, torch.fx.GraphModule] | None = None,
-                 packed: Sequence[PackedLinear] = (), sequence_parallel: bool = False) -> None:
+    def __init__(self, stacked: StackedModel, mesh: xs.Mesh, device: torch.device, keys: dict[str, tuple[str, ...]],
+                 options: SpmdOptions) -> None:
         super().__init__()
-        self.gather = gather
+        schedule = options.schedule
         self.mesh = mesh
-        self.sequence_parallel = sequence_parallel
-        self.placement = Placement(mesh, sequence_parallel)
+        self.sequence_parallel = options.sequence_parallel
+        self.placement = Placement(mesh, options.sequence_parallel)
         self.stages = self.placement.axes.stage
         self.replicas = self.placement.replicas  # P: row groups per stage (data x fsdp)
-        self.chunks = chunks
-        self.checkpoint = checkpoint
+        self.chunks, self.checkpoint = options.chunks, options.checkpoint
         self.pre = stacked.pre
         self.post = stacked.post
         self.batch_norm = RunningStatistics([self.pre, self.post])  # PyTorch's running statistics, not XLA's
@@ -122,17 +106,20 @@ class SpmdPipeline(nn.Module):
         self.per_stage = spread(self.block_count, self.stages * self.virtual)  # per model stage
         self.depth = max(self.per_stage)  # K: block slots per model stage
         # Kept out of the module tree (a dict is not a submodule): their weights are not ours.
-        self._templates = dict(templates or {True: stacked.blocks[0], False: stacked.blocks[0]})
+        self._templates = dict(options.templates or {True: stacked.blocks[0], False: stacked.blocks[0]})
         # The blocks' own constants, equal in every block (stacking's check): block 0's, on the device in the
         # form the clock loop carries them, with the dtype each is read back in.
-        self._block_constants = {name: (_differentiable(buffer).to(device), buffer.dtype)
-                                 for name, buffer in stacked.blocks[0].named_buffers()}
+        constants = dict(stacked.blocks[0].named_buffers())
+        self._carried_constants = [_differentiable(buffer).to(device) for buffer in constants.values()]
         self._block_parameters = [list(block.named_parameters()) for block in stacked.blocks]
         self._frozen = [[not p.requires_grad for _, p in named] for named in self._block_parameters]
         self.body = StackedWeights.from_blocks(stacked.blocks, self._slots(), self.virtual * self.depth, device,
-                                               self.placement, dims, packed_parts(packed))
+                                               self.placement, options.dims, packed_parts(options.packed))
         self.state = StateMap(self.body, stacked, keys)
-        self._ticks: dict[tuple, Callable] = {}
+        self._clock = ClockBody(self.body, self.placement, mesh, self.side_rows,
+                                {name: buffer.dtype for name, buffer in constants.items()}, self.depth, self.virtual,
+                                options)
+        self.gather = options.gather
 
     def train(self, mode: bool = True) -> SpmdPipeline:
         """Also sets the mode of the block that the stacked weights run through."""
@@ -140,10 +127,6 @@ class SpmdPipeline(nn.Module):
         for template in self._templates.values():
             template.train(mode)
         return self
-
-    def _template(self) -> nn.Module:
-        """The block the clock loop runs in the Pipe's mode."""
-        return self._templates[self.training]
 
     def _slots(self) -> list[tuple[int, int]]:
         """The (stage, slot) of each block of the body, in order: model stage ``j``
@@ -197,6 +180,19 @@ class SpmdPipeline(nn.Module):
         with self.loss_over_segments:  # logits in the loader's layout still take pipe.step's loss a segment at a time
             return tree_map(lambda y: _in_microbatches(y, self.chunks, microbatch_dim), output)
 
+    def step(self, inputs: tuple, target: Any, loss_fn: Callable[[Any, Any], torch.Tensor],
+             microbatch_dim: int | None) -> torch.Tensor:
+        """``pipe.step``: the forward, ``loss_fn`` of the whole batch's output (a language
+        model's cross-entropy a segment of the logits at a time), and its backward."""
+        output = self(*inputs, microbatch_dim=microbatch_dim)
+        device = self.body.weights[0].device
+        with self.loss_over_segments:
+            loss = loss_fn(output, tree_map(lambda t: t.to(device), target))
+        if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+            raise ValueError("loss_fn: must return a scalar tensor")
+        loss.backward()
+        return loss.detach()
+
     def _check_flags_unchanged(self) -> None:
         """``requires_grad`` of a block weight is read once, when the body is stacked."""
         for named, frozen in zip(self._block_parameters, self._frozen):
@@ -222,7 +218,7 @@ class SpmdPipeline(nn.Module):
         weights = tuple(place(w, split=dim is not None)
                         for w, dim in zip(self.body.step_weights(self.placement.axes.tensor), self.body.dims))
         weights += tuple(self.placement.per_device(_differentiable(c)) for c in constants)  # they ride along
-        weights += tuple(self.placement.per_device(carried) for carried, _ in self._block_constants.values())
+        weights += tuple(self.placement.per_device(carried) for carried in self._carried_constants)
         carry = (state, slots, valid, weights)
         plain_from = first_kept_clock(self.schedule, self.checkpoint)
         ring = bool(tables.from_ring.any())
@@ -230,7 +226,8 @@ class SpmdPipeline(nn.Module):
             if end > start:
                 columns = (reads[start:end], writes[start:end], from_ring[start:end], rounds[start:end],
                            keys[start:end])
-                carry, _ = scan(self._tick(recomputed, packing, ring), carry, columns, is_fn_pure=True)
+                tick = self._clock.tick(self._templates[self.training], recomputed, packing, ring)
+                carry, _ = scan(tick, carry, columns, is_fn_pure=True)
         return carry[1]
 
     def _step_seed(self, device: torch.device) -> torch.Tensor:
@@ -239,121 +236,6 @@ class SpmdPipeline(nn.Module):
         if not self.training:
             return torch.zeros((), dtype=torch.int32, device=device)
         return torch.randint(0, 2**31 - 1, (), dtype=torch.int32).to(device)
-
-    def _tick(self, recomputed: bool, packing: Packing, ring: bool) -> Callable:
-        """The loop body for one stream packing; kept, so that scan's trace cache finds it again."""
-        modes = tuple(module.training for module in self._template().modules())  # dropout on or off
-        key = (recomputed, packing, modes, ring)
-        if key not in self._ticks:
-            if self.gather == "block":
-                stages = partial(self._run_gathered_slots, packing)
-            else:
-                run = partial(self._run_stages, packing)
-                stages = partial(self._recomputed_stages, run) if recomputed else run
-            self._ticks[key] = make_tick(self.stages, self.replicas, stages, ring)
-        return self._ticks[key]
-
-    def _run_stages(self, packing: Packing, weights: tuple[torch.Tensor, ...], valid: torch.Tensor,
-                    state: torch.Tensor, rounds: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-        """All stages on all data replicas at once: ``[S * D, rows, F] -> same``."""
-        count = len(self.body.names)
-        weights = (*self.placement.pinned_body(weights[:count], self.body.dims), *weights[count:])
-        state = self.placement.from_conveyor(state)
-        return self.placement.to_conveyor(torch.vmap(partial(self._run_one_stage, packing))(weights, valid, state,
-                                                                                           rounds, keys))
-
-    @staticmethod
-    def _recomputed_stages(run: Callable, weights: tuple[torch.Tensor, ...], valid: torch.Tensor,
-                           state: torch.Tensor, rounds: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-        return recompute(lambda v, s, r, k, *w: run(w, v, s, r, k), valid, state, rounds, keys, *weights,
-                         fence=_stream_after_gradient)
-
-    def _run_one_stage(self, packing: Packing, weights: tuple[torch.Tensor, ...], valid: torch.Tensor,
-                       x: torch.Tensor, round_: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
-        """One stage's ``K`` block slots of its current round on one replica; empty
-        slots pass the stream through.
-
-        ``x`` is ``[rows, F]``: the stream and the per-row side inputs, packed;
-        ``weights`` each block weight ``[V * K, numel]``, then the constant side inputs,
-        then the block's own constants (they ride along: scan takes no captured tensor);
-        ``valid`` ``[V * K]``; ``round_`` the one-hot round ``[V]``; ``key`` the int32
-        key of the cell (see :mod:`xpipe.spmd.dropout`).
-        """
-        count = len(self.body.names)
-        valid, *blocks = (self._of_round(w, round_) for w in (valid, *weights[:count]))
-        for slot in range(self.depth):
-            x = self._run_one_block(packing, slot, tuple(w[slot] for w in blocks), weights[count:], valid[slot], x,
-                                    key)
-        return x
-
-    def _run_gathered_slots(self, packing: Packing, weights: tuple[torch.Tensor, ...], valid: torch.Tensor,
-                            state: torch.Tensor, rounds: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-        """All stages on all row groups, one block slot at a time, each slot's weights
-        gathered from their resting shards right before it runs (``gather="block"``).
-
-        Each slot is recomputed in the backward, its gather with it, so that what a clock
-        keeps for the backward is the slot's input and its shards: no gathered weight
-        outlives its block, forward or backward.
-        """
-        count = len(self.body.names)
-        shards, extras = weights[:count], weights[count:]
-        state = self.placement.from_conveyor(state)
-        for slot in range(self.depth):
-            # Gathered when the slot before it has run, not all at the loop body's start.
-            slot_shards = tied_to([self._slot_of_round(w, slot, rounds) for w in shards], state)
-            slot_valid = self._slot_of_round(valid, slot, rounds)
-            run = partial(self._gathered_slot, packing, slot, len(extras))
-            state = recompute(run, state, keys, slot_valid, *extras, *slot_shards, fence=after_gradient)
-        return self.placement.to_conveyor(state)
-
-    def _gathered_slot(self, packing: Packing, slot: int, extra_count: int, state: torch.Tensor, keys: torch.Tensor,
-                       valid: torch.Tensor, *tensors: torch.Tensor) -> torch.Tensor:
-        extras, shards = tensors[:extra_count], tensors[extra_count:]
-        whole = tuple(self.placement.gathered_slot(shard, math.prod(shape), split=dim is not None)
-                      for shard, shape, dim in zip(shards, self.body.shapes, self.body.dims))
-        run = torch.vmap(partial(self._run_one_block, packing, slot))
-        return run(whole, extras, valid, state, keys)
-
-    def _run_one_block(self, packing: Packing, slot: int, block: tuple[torch.Tensor, ...],
-                       extras: tuple[torch.Tensor, ...], valid: torch.Tensor, x: torch.Tensor,
-                       key: torch.Tensor) -> torch.Tensor:
-        """Block slot ``slot`` on one replica: ``x`` ``[rows, F]`` packed as for
-        :meth:`_run_one_stage`, ``block`` each block weight ``[numel]``, ``extras`` the
-        constant side inputs then the block's own constants; an empty slot
-        (``valid`` 0) passes the stream through."""
-        stream, *per_row = packing.unpack(x)
-        per_row, constants, held = iter(per_row), iter(extras), iter(packing.held)
-        sides = [next(per_row) if rows else next(constants).to(next(held)) for rows in self.side_rows]
-        own_constants = {name: next(constants).to(dtype) for name, (_, dtype) in self._block_constants.items()}
-        params = {name: self.body.unstored(index, w) for index, (name, w) in
-                  enumerate(zip(self.body.names, block))} | own_constants
-        slices = SequenceSlices(stream.shape, self.mesh, self.placement.batch_axes) if self.sequence_parallel else None
-        if slices is not None:
-            stream = slices.sliced(stream)
-        with ShardableOps(), hashed_dropout(key, slot), slices or contextlib.nullcontext():
-            y = functional_call(self._template(), params, (stream, *sides))
-        if slices is not None:
-            y = slices.sliced(y)
-        return packing.with_stream(x, torch.where(valid > 0, y, stream))
-
-    def _slot_of_round(self, stacked: torch.Tensor, slot: int, rounds: torch.Tensor) -> torch.Tensor:
-        """``[S * P, V * K, ...] -> [S * P, ...]``: slot ``slot`` of each device's current
-        round (``rounds`` one-hot ``[S * P, V]``), picked by a product, locally.
-
-        The product is taken with one round too: it makes the pick a value of the clock,
-        so XLA cannot hoist the gather that follows out of the loop (it did: every
-        slot's weights whole before the loop, as ``gather="step"``).
-        """
-        per_round = stacked.unflatten(1, (self.virtual, self.depth))[:, :, slot]
-        return (per_round * rounds.view(*rounds.shape, *[1] * (per_round.dim() - 2))).sum(1)
-
-    def _of_round(self, slots: torch.Tensor, round_: torch.Tensor) -> torch.Tensor:
-        """``[V * K, ...] -> [K, ...]``: the slots of the round ``round_`` (one-hot ``[V]``)
-        names; by a product, not an index, so that every device's pick stays local."""
-        if self.virtual == 1:
-            return slots
-        per_round = slots.unflatten(0, (self.virtual, self.depth))
-        return (per_round * round_.view(-1, *[1] * (per_round.dim() - 1))).sum(0)
 
     def _valid_mask(self, like: torch.Tensor) -> torch.Tensor:
         """``[S * P, V * K]``: 1 where a stage's slot holds a block, 0 for padding slots."""
@@ -379,12 +261,3 @@ def _differentiable(constant: torch.Tensor) -> torch.Tensor:
     the small values :func:`xpipe.capture.stacking._check_alike` lets through; a bool
     one (a causal mask held once) as float32 0 and 1."""
     return constant if constant.is_floating_point() else constant.to(torch.float32)
-
-
-def _stream_after_gradient(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """A recomputed clock's kept tensors (``valid``, the stream, ...) and the gradient of
-    its output (last), the stream tied to that gradient (:func:`xpipe.spmd.ordering.behind`;
-    the same layout, so nothing moves): the recomputation's collectives then run after
-    the conveyor's permute that brings the gradient, never beside it."""
-    valid, stream, *rest, gradient = tensors
-    return [valid, behind(stream, gradient), *rest, gradient]

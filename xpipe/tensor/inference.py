@@ -171,8 +171,9 @@ def _reshaped_dim(before: tuple[int, ...], after: tuple[int, ...], dim: int) -> 
     return None
 
 
-class _Reading:
-    """One pass over a block's graph: each value's state, and what each weight is."""
+class _Regions:
+    """What a reading of a block's graph keeps: each value's region, each weight's
+    uses, the opening linears kept whole or packed; and each weight's split from them."""
 
     def __init__(self, params: dict[torch.fx.Node, str], whole: set[torch.fx.Node]) -> None:
         self.params, self.whole = params, whole
@@ -198,6 +199,40 @@ class _Reading:
                 dims[self.params[bias]] = Packed(0)
         return dims
 
+    def _use(self, node: Any, dim: int | None) -> None:
+        if node in self.params:
+            self.uses.setdefault(self.params[node], set()).add(dim)
+
+    def _region(self, node: Any) -> Region | None:
+        return self.state.get(node) if isinstance(node, torch.fx.Node) else None
+
+    def _keep_whole(self, region: Region) -> Region:
+        """Features that cannot stay split (taken apart, reduced, merged or joined along
+        their split dim): the linears that made them stay whole."""
+        self.kept_whole |= region.openers
+        return Region(region.openers, None)
+
+    def _unknown(self, node: torch.fx.Node) -> CannotInfer:
+        weights = sorted(self.params[self._opener_weight(o)] for r in map(self._region, node.all_input_nodes)
+                         if r is not None for o in r.openers)
+        return CannotInfer(f"{node.name} ({node.target}) reads the split output features of {', '.join(weights)}, "
+                           "and the inference does not know how it moves them")
+
+    def _opener_weight(self, opener: torch.fx.Node) -> torch.fx.Node:
+        linear = _linear(opener, self.params, self.transposed)
+        return linear[1] if linear is not None else opener.args[0]
+
+    def _joined(self, node: torch.fx.Node, values: Sequence[Any]) -> Region:
+        """The region of a value computed elementwise from ``values`` (broadcast to its shape)."""
+        rank = len(_shape(node))
+        regions = [(value, r) for value, r in ((v, self._region(v)) for v in values) if r is not None]
+        joined = Region(frozenset().union(*(r.openers for _, r in regions)), None)
+        dims = {r.dim + rank - len(_shape(value)) for value, r in regions if r.dim is not None}
+        return Region(joined.openers, dims.pop()) if len(dims) == 1 else self._keep_whole(joined)
+
+class _Reading(_Regions):
+    """One pass over a block's graph: how each operation moves the split features."""
+
     def read(self, node: torch.fx.Node) -> None:
         if node.op == "output":
             for value in node.all_input_nodes:  # the block's output is whole on every device
@@ -205,13 +240,6 @@ class _Reading:
                     self._keep_whole(self._region(value))
         elif node.op == "call_function" and _op(node) not in _IGNORED:
             self.state[node] = self._call(node)
-
-    def _use(self, node: Any, dim: int | None) -> None:
-        if node in self.params:
-            self.uses.setdefault(self.params[node], set()).add(dim)
-
-    def _region(self, node: Any) -> Region | None:
-        return self.state.get(node) if isinstance(node, torch.fx.Node) else None
 
     def _call(self, node: torch.fx.Node) -> Any:
         op, inputs = _op(node), node.all_input_nodes
@@ -259,12 +287,6 @@ class _Reading:
         self._use(bias, None if whole else 0)
         return Region(frozenset({node}), None if whole else len(_shape(node)) - 1)
 
-    def _keep_whole(self, region: Region) -> Region:
-        """Features that cannot stay split (taken apart, reduced, merged or joined along
-        their split dim): the linears that made them stay whole."""
-        self.kept_whole |= region.openers
-        return Region(region.openers, None)
-
     def _through(self, node: torch.fx.Node, op: str) -> Any:
         """The state of an operation that reads features split along a dim."""
         if op in _ELEMENTWISE:
@@ -293,24 +315,6 @@ class _Reading:
         if op in _LAYER_NORMS:
             return self._layer_norm(node)
         raise self._unknown(node)
-
-    def _unknown(self, node: torch.fx.Node) -> CannotInfer:
-        weights = sorted(self.params[self._opener_weight(o)] for r in map(self._region, node.all_input_nodes)
-                         if r is not None for o in r.openers)
-        return CannotInfer(f"{node.name} ({node.target}) reads the split output features of {', '.join(weights)}, "
-                           "and the inference does not know how it moves them")
-
-    def _opener_weight(self, opener: torch.fx.Node) -> torch.fx.Node:
-        linear = _linear(opener, self.params, self.transposed)
-        return linear[1] if linear is not None else opener.args[0]
-
-    def _joined(self, node: torch.fx.Node, values: Sequence[Any]) -> Region:
-        """The region of a value computed elementwise from ``values`` (broadcast to its shape)."""
-        rank = len(_shape(node))
-        regions = [(value, r) for value, r in ((v, self._region(v)) for v in values) if r is not None]
-        joined = Region(frozenset().union(*(r.openers for _, r in regions)), None)
-        dims = {r.dim + rank - len(_shape(value)) for value, r in regions if r.dim is not None}
-        return Region(joined.openers, dims.pop()) if len(dims) == 1 else self._keep_whole(joined)
 
     def _elementwise(self, node: torch.fx.Node) -> Any:
         values = [a for a in node.all_input_nodes if _shape(a) is not None]

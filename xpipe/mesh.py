@@ -47,7 +47,7 @@ def make_mesh(stages: int, data: int | None = None, *, fsdp: int = 1, tensor: in
 
     Devices are numbered stage-major, "tensor" innermost: device
     ``((s * data + d) * fsdp + f) * tensor + t`` is tensor shard ``t`` of fsdp shard
-    ``f`` of data replica ``d`` of stage ``s``. A tensor group (which talks after
+    ``f`` of position ``d`` on "data" of stage ``s``. A tensor group (which talks after
     every block's split matmuls) is nearest neighbours, the devices of a stage
     are neighbours (on a pod: one host or one slice, where the links are fast),
     and a batch sharded over ("stage", "data", "fsdp") lies on the devices in order.

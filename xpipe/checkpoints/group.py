@@ -2,7 +2,7 @@
 pod, one process per host, joined by ``torch.distributed``'s default group.
 
 Each process writes the shards its devices hold (DCP agrees one plan over the
-group, each chunk written by one process); process 0 makes the staging
+group, each piece written by one process); process 0 makes the staging
 directory, writes the manifest from every process's file hashes and puts the
 checkpoint in place. The group carries only small Python objects (a path, file
 hashes, an outcome), so a CPU backend (gloo) is what it needs.

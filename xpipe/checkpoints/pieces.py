@@ -49,7 +49,7 @@ class ShardSource(Protocol):
 
 class ShardDestination(ShardSource, Protocol):
     """Shards a load writes into (:class:`xpipe.checkpoints.shards.ShardBuffers`),
-    told when every saved chunk that overlaps them has been written; they say whether
+    told when every saved piece that overlaps them has been written; they say whether
     that changed, in place, a tensor the model or optimizer holds."""
 
     def filled(self) -> bool: ...
@@ -61,9 +61,9 @@ def _whole(values: torch.Tensor) -> torch.Tensor:
 
 @dataclass
 class Piece:
-    """One chunk of a tensor: where it lies (``offsets``, ``sizes``) and how to read
-    its values: ``cut`` applied to shard ``shard`` of ``source`` (a view, which a
-    load writes through)."""
+    """One piece of a tensor (DCP's chunk): where it lies (``offsets``, ``sizes``) and
+    how to read its values: ``cut`` applied to shard ``shard`` of ``source`` (a view,
+    which a load writes through)."""
 
     offsets: tuple[int, ...]
     sizes: tuple[int, ...]
@@ -131,7 +131,7 @@ class PieceSavePlanner(DefaultSavePlanner):
 
 class PieceLoadPlanner(DefaultLoadPlanner):
     """DCP's default planner, writing each chunk's data into its :class:`Pieces`' piece,
-    and telling each destination's shards when the last saved chunk that overlaps
+    and telling each destination's shards when the last saved piece that overlaps
     them is written (:meth:`ShardDestination.filled`): a load then hands tensor
     after tensor to the devices as DCP reads them, in the state dict's order.
     ``put_in_place`` counts the destinations that changed a tensor in place so far,

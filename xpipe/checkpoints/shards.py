@@ -104,11 +104,11 @@ class ShardBuffers:
     def when_filled(self, action: Callable[[ShardBuffers], bool]) -> None:
         """Run ``action(self)`` (hand the buffers to the devices; it returns whether it
         wrote into a tensor the model or optimizer holds) once a load has written every
-        saved chunk that overlaps them, then let the buffers go."""
+        saved piece that overlaps them, then let the buffers go."""
         self._when_filled = action
 
     def filled(self) -> bool:
-        """Every saved chunk that overlaps the buffers is written (see
+        """Every saved piece that overlaps the buffers is written (see
         :class:`xpipe.checkpoints.pieces.PieceLoadPlanner`): run the action given to
         :meth:`when_filled`, if any, free the buffers, and return what the action did."""
         action, self._when_filled = self._when_filled, None

@@ -78,7 +78,7 @@ class Layout:
 
     @property
     def pure_pipeline(self) -> bool:
-        """Nothing sharded inside a stage: stages, and data replicas of them."""
+        """Nothing sharded inside a stage: stages, and replicas of them."""
         return self.fsdp == 1 and self.tensor == 1
 
     @property

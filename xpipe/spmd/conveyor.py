@@ -1,6 +1,6 @@
 """The conveyor: how microbatches enter, cross and leave the stacked stages.
 
-A step's batch lives on the mesh as a *slot buffer* ``[S * D, R, rows, F]``:
+A step's batch lives on the mesh as a *slot buffer* ``[S * P, R, rows, F]``:
 the device of stage ``s`` and replica ``d`` (index ``s * D + d``; the ``D``
 replicas of a stage are its data x fsdp devices, each with rows of its own) holds ``R``
 slots (microbatches) of ``rows`` rows with ``F`` features each. For batch-first
@@ -12,7 +12,7 @@ Each forward clock ``t`` of the GPipe schedule:
 
 1. stage 0 takes its input from column ``t // S`` of the buffer, every other
    stage takes the previous stage's output (``shift(state, 1)``);
-2. every stage runs its blocks (``[S * D, rows, F]`` in, same out);
+2. every stage runs its blocks (``[S * P, rows, F]`` in, same out);
 3. the column being read moves one stage towards stage 0 (``shift(column, -1)``),
    so the next microbatch reaches stage 0; the column being written does too,
    and the last stage writes its result into its bottom slot.
@@ -55,7 +55,7 @@ class SlotLayout:
     """Shape of a step's slot buffer ``[stages * replicas, slots, rows, features]``."""
 
     stages: int  # S
-    replicas: int  # D: row groups per stage (the mesh's data x fsdp devices of a stage)
+    replicas: int  # P: row groups per stage (the mesh's data x fsdp devices of a stage)
     chunks: int  # microbatches the user asked for
     slots: int  # R = ceil(chunks / stages): microbatches per stage
     rows: int  # rows of one microbatch on one replica
@@ -83,7 +83,7 @@ def slot_layout(batch: int, chunks: int, stages: int, replicas: int) -> SlotLayo
 
 
 def to_slots(x: torch.Tensor, layout: SlotLayout, microbatched: bool) -> torch.Tensor:
-    """Put one tensor of the stream into the flat slot order ``[S * D * R * rows, ...]``.
+    """Put one tensor of the stream into the flat slot order ``[S * P * R * rows, ...]``.
 
     ``x`` is ``[batch, ...]``: batch-first rows, already in slot order (padded with
     copies of the last row at the end), or, when ``microbatched``, ``chunks`` microbatches one
@@ -92,13 +92,13 @@ def to_slots(x: torch.Tensor, layout: SlotLayout, microbatched: bool) -> torch.T
     if not microbatched:
         return _pad(x, 0, layout.padded_batch)
     micro = x.view(layout.chunks, layout.batch // layout.chunks, *x.shape[1:])
-    micro = _pad(_pad(micro, 1, layout.replicas * layout.rows), 0, layout.padded_chunks)  # [M', D * rows, ...]
+    micro = _pad(_pad(micro, 1, layout.replicas * layout.rows), 0, layout.padded_chunks)  # [M', P * rows, ...]
     grid = micro.reshape(layout.stages, layout.slots, layout.replicas, layout.rows, *micro.shape[2:])
     return grid.transpose(1, 2).reshape(layout.padded_batch, *micro.shape[2:])
 
 
 def from_slots(y: torch.Tensor, layout: SlotLayout, microbatched: bool) -> torch.Tensor:
-    """Inverse of :func:`to_slots`: ``[S * D * R * rows, ...] -> [batch, ...]``."""
+    """Inverse of :func:`to_slots`: ``[S * P * R * rows, ...] -> [batch, ...]``."""
     if not microbatched:
         return y[: layout.batch]
     grid = y.reshape(layout.stages, layout.replicas, layout.slots, layout.rows, *y.shape[1:])
@@ -174,7 +174,7 @@ StageFn = Callable[..., torch.Tensor]
 def make_tick(stages: int, replicas: int, run_stages: StageFn, ring: bool = False) -> Callable:
     """The body of the clock loop, for ``torch_xla.experimental.scan``.
 
-    Every tensor's dim 0 is the mesh's ``S * D`` devices, stage-major, so moving
+    Every tensor's dim 0 is the mesh's ``S * P`` devices, stage-major, so moving
     a slice one stage on is a shift by ``D`` places. Carry:
     ``(state [S*D, rows, F], buffer [S*D, R, rows, F], valid [S*D, V, K], weights)``;
     per clock: the one-hot read and write columns ``[R]``, the ring flag ``[]``,

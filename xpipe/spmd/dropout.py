@@ -5,7 +5,7 @@ XLA while loop traced once for every clock, and a checkpointed microbatch runs i
 blocks a second time in the backward pass. A stateful generator gives none of
 what dropout needs there; a hash of the cell's identity gives all of it:
 
-- a different mask for every block, microbatch, data replica and step (the key of
+- a different mask for every block, microbatch, replica and step (the key of
   a cell is mixed from the step's seed, the stage, the replica and the microbatch;
   the block's slot and the call's index in the block are mixed in after);
 - the same mask again when a checkpointed microbatch is recomputed (same key);

@@ -4,10 +4,8 @@ On XLA's CPU runtime (the emulated devices every test runs on) a collective of
 the step that neither feeds a clock loop nor reads its results may run while the
 loop runs, on some devices before the loop's collectives and on others after:
 each device then waits in a different collective, and the runtime aborts the
-process at a rendezvous timeout (measured: GPT-2 on 2 stages x 2 fsdp x 2
-tensor with its head split by vocabulary, 7 runs in 24, devices in the head's
-all-reduce over "tensor" while others waited in the loop's collective-permute).
-A TPU runs each device's collectives in the program's order and has no such
+process at a rendezvous timeout (the runs that showed it: docs/performance.md,
+"Ordering the step's collectives"). A TPU runs each device's collectives in the program's order and has no such
 hazard. The loops are fenced instead: what runs before a loop is finished before
 it starts, and what runs after it (the head, its loss, their gradients) starts
 after it ends, forward and backward. The loss's loops over sequence segments
@@ -57,10 +55,8 @@ def fenced(first: torch.Tensor, rest: Any) -> tuple[torch.Tensor, Any]:
 def tied_to(tensors: list[torch.Tensor], anchor: torch.Tensor) -> list[torch.Tensor]:
     """``tensors``, each made to depend on ``anchor`` by data, so that nothing computed
     from them can start before ``anchor`` exists: in a clock loop's body, where XLA's
-    CPU compiler drops optimization barriers before it schedules (measured: with or
-    without one, the body of a stage of 8 blocks gathered per block gathered all 8
-    slots' weights at its start, and its backward ran all 8 recomputations first,
-    holding their attention probabilities at once).
+    CPU compiler drops optimization barriers before it schedules (and so gathered
+    every slot's weights at the body's start).
 
     Every tensor is ``[S * P, ...]``, a row per device (sharded over the batch axes):
     each device's rows are tied to its own first element of ``anchor``, so nothing
@@ -80,15 +76,10 @@ def behind(x: torch.Tensor, anchor: torch.Tensor) -> torch.Tensor:
     layout ``x`` has, so the tie moves nothing between devices.
 
     In a clock loop's body two collectives that no data orders may start in another
-    order on each device of XLA's CPU runtime, and it can deadlock (gdb on an aborted
-    run: devices waiting in the loop's collective-permute, others in an all-reduce).
-    The conveyor's permute of the slot buffer's columns reads nothing the blocks make;
-    behind the stage's output it runs after the blocks' collectives, and in the
-    backward its gradient's before theirs. In the bfloat16 Llama step of
-    ``tests/spmd/test_fsdp.py`` (2 x 2 x 2) the pairs of collectives no data orders in
-    a loop body fell from 18 to 6 forward, and from 34 to 16 in the recomputing
-    backward with its recomputation behind the gradient; the rest are attention's
-    gathers of q, k and v, and the conveyor's gathers.
+    order on each device of XLA's CPU runtime, and it can deadlock. The conveyor's
+    permute of the slot buffer's columns reads nothing the blocks make; behind the
+    stage's output it runs after the blocks' collectives, and in the backward its
+    gradient's before theirs.
     """
     return x + anchor * 0
 
@@ -102,13 +93,8 @@ def read_after(values: Any, anchor: torch.Tensor) -> Any:
     every device with one all-reduce of one number, itself after ``anchor``.
 
     The optimization barrier of :func:`fenced` does not hold what the layers after the
-    body read from the step's inputs: in the optimized HLO of the bfloat16 Llama step
-    of ``tests/spmd/test_fsdp.py`` (2 x 2 x 2) no barrier is left, and the loss's
-    reductions of its count of labels read the labels' parameter, free to run beside
-    the clock loops. With Llama's q, k and v joined (:mod:`xpipe.tensor.joined_projections`)
-    that test, two runs at once, aborted 9 times in 39 (devices waiting in the loop's
-    collective-permute, one to three in an all-reduce); with the labels read after
-    the body's output, 0 times in 28 (0 in 16 at the commit before the join).
+    body read from the step's inputs (the loss's count of labels): the compiler drops
+    it, and their reductions were free to run beside the clock loops.
     """
     zero = torch.nan_to_num(anchor.detach().flatten()[0] * 0, nan=0.0, posinf=0.0, neginf=0.0)
     leaves, spec = tree_flatten(values)

@@ -13,7 +13,6 @@ bytes, never a wrong value).
 
 from __future__ import annotations
 
-import operator
 from dataclasses import dataclass
 from typing import Any
 
@@ -64,20 +63,17 @@ _ALONG_ONE_DIM = {aten.cumsum.default, aten.cumprod.default, aten._softmax.defau
                   aten._log_softmax.default, aten.log_softmax.int}
 
 
-def rows_proven_equal(pre: torch.fx.GraphModule, side: torch.fx.Node, sample_input: Any) -> bool:
-    """Whether ``side``, an output of ``pre`` with a row per batch row, has all its rows
-    equal for any batch: built from the batch's size alone by operations that keep
-    every row alike (never from an input's values, an index of the row, or anything
-    random)."""
+def rows_proven_equal(pre: torch.fx.GraphModule, sides: list[torch.fx.Node], sample_input: Any) -> list[bool]:
+    """For each of ``sides``, outputs of ``pre`` with a row per batch row, whether all
+    its rows are equal for any batch: built from the batch's size alone by operations
+    that keep every row alike (never from an input's values, an index of the row, or
+    anything random). One pass over ``pre`` answers for every side."""
     shapes = _shapes(pre, sample_input)
     known: dict[torch.fx.Node, Rows] = {}
     for node in pre.graph.nodes:
-        if node.op == "output":
-            break
-        known[node] = _rows_of(node, known, shapes)
-        if node is side:
-            break
-    return known.get(side) == Rows("equal", 0)
+        if node.op != "output":
+            known[node] = _rows_of(node, known, shapes)
+    return [known.get(side) == Rows("equal", 0) for side in sides]
 
 
 def _shapes(pre: torch.fx.GraphModule, sample_input: Any) -> dict[torch.fx.Node, tuple[int, ...]]:
@@ -320,5 +316,4 @@ _RULES = {
     aten.diff.default: _diff,
     **dict.fromkeys(_FILLED, _filled),
     **dict.fromkeys(_FILLED_LIKE, _filled_like),
-    operator.getitem: lambda node, known, shapes: UNKNOWN,
 }

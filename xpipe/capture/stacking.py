@@ -308,8 +308,9 @@ def _hold_equal_rows_once(pre: torch.fx.GraphModule, blocks: list[torch.fx.Graph
     for Llama 3 70B at 2,048 tokens, a fifth of what crosses each stage boundary."""
     output = next(node for node in pre.graph.nodes if node.op == "output")
     returned = list(output.args[0]) if isinstance(output.args[0], (tuple, list)) else [output.args[0]]
-    equal = [index for index, rows in enumerate(side_rows)
-             if rows and rows_proven_equal(pre, returned[1 + index], sample_input)]
+    per_row = [index for index, rows in enumerate(side_rows) if rows]
+    proven = rows_proven_equal(pre, [returned[1 + index] for index in per_row], sample_input) if per_row else []
+    equal = [index for index, held in zip(per_row, proven) if held]
     if not equal:
         return side_rows
     for index in equal:

@@ -17,6 +17,7 @@ from transformers import LlamaConfig
 import xpipe
 from xpipe.layout import LOSS_SEGMENTS_FROM, MeshAxes, sequence_segments
 from xpipe.planner import GiB, Layout, predict, preset
+from xpipe.planner.accuracy import BANDS
 from xpipe.planner.cli import main
 from xpipe.planner.memory import per_device
 from xpipe.planner.profile import WHOLE_STREAMS, profile_of_config, profile_of_model
@@ -160,15 +161,17 @@ def test_llama3_70b_on_256_chips_of_32_gib_fits_and_pure_pipeline_parallelism_is
     assert "GiB per device" in refusal and "over 32.00 GiB" in refusal
 
 
-def test_llama3_70b_at_256_x_2048_fits_14_gib_of_v5e_with_packed_sequences_not_with_a_padding_mask(capsys):
-    """Issue 36's target, by the plan: packed sequences' causal mask is held once by
-    every stage; a padding mask's [seq, seq] form travels with every row. Only the
-    layouts that fit are searched (per block, recomputing every block)."""
-    job = ["llama3-70b", "--devices", "256", "--chip", "v5e", "--batch", "256", "--memory", "14GiB", "--top", "1",
+def test_llama3_70b_at_256_x_2048_fits_15_gib_of_v5e_with_packed_sequences_not_with_a_padding_mask(capsys):
+    """Packed sequences' causal mask is held once by every stage; a padding mask's
+    [seq, seq] form travels with every row. Only the layouts that fit are searched (per
+    block, recomputing every block). Issue 36 planned this job in 14 GiB; the plan now
+    also counts the outer layers' whole gradients at the loss, which XLA's buffer
+    assignment holds there (14.59 GiB when this test was changed)."""
+    job = ["llama3-70b", "--devices", "256", "--chip", "v5e", "--batch", "256", "--memory", "15GiB", "--top", "1",
            "--gather", "block", "--checkpoint", "always"]
     assert main(job) == 0
     best = capsys.readouterr().out.splitlines()[3].split()  # index, stage, data, fsdp, tensor, ...
-    assert best[1:5] == ["1", "1", "128", "2"] and float(best[9]) <= 14.0, best
+    assert best[1:5] == ["1", "1", "128", "2"] and float(best[9]) <= 15.0, best
     with pytest.raises(SystemExit):
         main([*job, "--padding-mask"])
     assert "fits nowhere" in capsys.readouterr().err
@@ -206,6 +209,65 @@ def test_the_plan_as_a_picture(tmp_path, capsys):
     assert main(["llama3-8b", "--devices", "32", "--chip", "v6e", "--batch", "64", "--plot",
                  str(tmp_path / "plan.png")]) == 0
     assert (tmp_path / "plan.png").stat().st_size > 10_000
+
+
+def test_a_layouts_memory_is_the_peak_of_its_step_timeline():
+    """The step's moments in program order: each forward clock, the loss, each backward
+    clock. The gathered weights' gradients exist from the loss on; the recomputing loop
+    keeps every round's weights per clock and the keeping loop the round's only (XLA's
+    buffer assignment, tools/peak_grid.py); the prediction's bytes are the peak's."""
+    profile = profile_of_model(llama(8), {"input_ids": tokens(2, 8)})
+    layouts = {checkpoint: Layout(2, 1, 4, 1, 4, "circular", 2, checkpoint) for checkpoint in ("always", "except_last")}
+    predictions = {checkpoint: predict(profile, layout, chip=preset("v5e"), batch=16)
+                   for checkpoint, layout in layouts.items()}
+    for checkpoint, prediction in predictions.items():
+        timeline = prediction.timeline
+        clocks = len(xpipe.schedule.circular(2, 4, 2).forward_clocks())
+        assert [m.label for m in timeline.moments] == ([f"forward clock {c}" for c in range(clocks)] + ["loss"]
+                                                       + [f"backward clock {c}" for c in reversed(range(clocks))])
+        assert prediction.memory == timeline.peak.memory and prediction.bytes == max(m.bytes for m in timeline.moments)
+        forward, loss = timeline.moments[clocks - 1], timeline.moments[clocks]
+        assert loss.memory["gathered"] > forward.memory["gathered"], "the gathered weights' gradients, from the loss on"
+    weights = per_device(stacked=[(2, 4, math.prod(shape)) for _, shape in profile.block_weights],
+                         outer=profile.outer_weights, axes=MeshAxes(2, 1, 4, 1))
+    recomputing = first_kept_clock(xpipe.schedule.circular(2, 4, 2), "except_last")
+    kept_always = predictions["always"].timeline.moments[clocks]
+    kept_some = predictions["except_last"].timeline.moments[clocks]
+    assert kept_always.memory["gathered"] - kept_some.memory["gathered"] == (
+        (clocks - recomputing) * (weights.kept_per_clock - weights.kept_per_clock // 2))
+
+
+def test_the_timeline_of_a_listed_layout_marks_the_plans_peak(tmp_path, capsys):
+    job = ["llama3-8b", "--devices", "32", "--chip", "v6e", "--batch", "64", "--top", "1"]
+    assert main(job) == 0
+    listed = float(capsys.readouterr().out.splitlines()[3].split("(")[0].split()[-1])
+    assert main([*job, "--timeline", "1", "--plot", str(tmp_path / "timeline.svg")]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    peak = [line for line in lines if line.endswith("<- peak")]
+    assert len(peak) == 1 and float(re.findall(r"\d+\.\d+", peak[0])[0]) == listed, lines
+    assert any(line.strip().startswith("forward clock") for line in lines), lines
+    assert (tmp_path / "timeline.svg").stat().st_size > 5_000
+    with pytest.raises(SystemExit):
+        main([*job, "--timeline", "100000"])
+    assert "--timeline: 100000 is not a layout that fits; give 1 to " in capsys.readouterr().err
+
+
+def test_a_layouts_band_is_how_far_xlas_peak_was_from_the_plan_for_its_kind(capsys):
+    """``tools/peak_grid.py``'s measured ratios per layout kind: each listed layout prints
+    the bytes XLA held at the plan's figure as far off as its kind's cells were, or that
+    no cell of its kind was measured."""
+    assert BANDS and all(0.5 < band.low <= band.high < 2 and band.cells > 0 for band in BANDS.values())
+    profile = profile_of_model(llama(8), {"input_ids": tokens(2, 8)})
+    measured = predict(profile, Layout(2, 1, 4, 1, 4), chip=preset("v5e"), batch=16)
+    band = BANDS["gpipe, except_last, gather step, no tensor"]
+    assert measured.band is band
+    assert band.measured_range(measured.bytes) == (measured.bytes / band.high, measured.bytes / band.low)
+    unmeasured = Layout(2, 1, 4, 1, 4, "circular", 2, "always", "block")
+    assert unmeasured.kind not in BANDS and predict(profile, unmeasured, chip=preset("v5e"), batch=16).band is None
+    assert main(["llama3-70b", "--devices", "256", "--chip", "v6e", "--batch", "32", "--top", "20"]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if re.match(r"\s+\d+\s+\d+\s", line)]
+    assert rows and all(re.search(r"\d+\.\d+-\d+\.\d+ \(\d+ cells\)$", row) or row.endswith("kind not measured")
+                        for row in rows), rows
 
 
 def test_the_python_api_names_what_is_missing():

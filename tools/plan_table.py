@@ -29,14 +29,15 @@ CASES = [  # model, chip, chips, batch (sequences), sequence length
 ]
 
 
-REFERENCE_JOBS = [  # model, chip, chips, batch (sequences of 2048), bytes a chip may hold (None: its HBM)
-    ("llama3-8b", "v5e", 64, 256, None),
-    ("llama3-8b", "v5e", 64, 256, 12 * GiB),
-    ("llama3-70b", "v5e", 256, 256, None),
-    ("llama3-70b", "v5e", 256, 256, 14 * GiB),
-    ("llama3-70b", "v5e", 256, 32, None),
-    ("llama3-405b", "v5p", 1024, 1024, None),
-    ("llama3-405b", "v5p", 1024, 1024, 48 * GiB),
+REFERENCE_JOBS = [  # model, chip, chips, batch (sequences of 2048), bytes a chip may hold (None: its HBM), slices
+    ("llama3-8b", "v5e", 64, 256, None, 1),
+    ("llama3-8b", "v5e", 64, 256, 12 * GiB, 1),
+    ("llama3-70b", "v5e", 256, 256, None, 1),
+    ("llama3-70b", "v5e", 256, 256, 14 * GiB, 1),
+    ("llama3-70b", "v5e", 256, 32, None, 1),
+    ("llama3-70b", "v5e", 1024, 1024, None, 4),
+    ("llama3-405b", "v5p", 1024, 1024, None, 1),
+    ("llama3-405b", "v5p", 1024, 1024, 48 * GiB, 1),
 ]
 
 
@@ -57,11 +58,12 @@ def reference_jobs() -> None:
     print("| job | gathered per step only | per block allowed | the same, with a padding mask |")
     print("| --- | --- | --- | --- |")
     choices = [(("step",), False), (("step", "block"), False), (("step", "block"), True)]
-    for name, chip, chips, batch, memory in REFERENCE_JOBS:
+    for name, chip, chips, batch, memory, slices in REFERENCE_JOBS:
         cells = [verdict(plan(llama3_config(name), devices=chips, batch=batch, chip=chip, memory_per_device=memory,
-                              gathers=gathers, padding_mask=padded)) for gathers, padded in choices]
+                              gathers=gathers, padding_mask=padded, slices=slices)) for gathers, padded in choices]
         within = "" if memory is None else f", within {memory / GiB:.0f} GiB"
-        print(f"| {name}, {chips} x {chip}, {batch} x 2048{within} | {' | '.join(cells)} |")
+        across = "" if slices == 1 else f" in {slices} slices"
+        print(f"| {name}, {chips} x {chip}{across}, {batch} x 2048{within} | {' | '.join(cells)} |")
 
 
 def deepest_fitting(chips: int = 256, chip: str = "v5e", batch: int = 256) -> None:

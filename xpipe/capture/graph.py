@@ -17,7 +17,9 @@ Node attributes (layers):
     and, when a sample input was given, out_shape, out_dtype, out_bytes,
     flops (forward), activation_bytes (saved for backward), time_s (if timed),
     activation_bytes_by_width ((last dim, bytes) pairs of what it saves for backward:
-    the planner counts what is as wide as the stream whole over "tensor").
+    the planner counts what is as wide as the stream whole over "tensor"),
+    attention_bytes (of activation_bytes, the attention probabilities: the planner
+    counts their gradient, as large, in the backward).
 Edge attributes: tensors (list of dicts with name, shape, dtype, bytes), bytes.
 Graph attributes: layers (layer names in execution order), model (class name),
 inputs (input node names), annotated (whether a sample input was run).
@@ -197,6 +199,7 @@ class _Profiler(torch.fx.Interpreter):
             "value": value,
             "flops": flops.get_total_flops(),
             "activation_bytes": sum(size for size, _ in saved.values()) + attention.bytes,
+            "attention_bytes": attention.bytes,
             "activation_bytes_by_width": _by_width((width, size) for size, width in saved.values()),
             "time_s": elapsed,
         }
@@ -322,7 +325,7 @@ def _annotate(
 ) -> None:
     graph.graph["annotated"] = True
     by_name = {node.name: node for node in traced.graph.nodes}
-    measures = ("flops", "activation_bytes", "time_s") if timed else ("flops", "activation_bytes")
+    measures = ("flops", "activation_bytes", "attention_bytes") + (("time_s",) if timed else ())
     for name in graph.graph["layers"]:
         graph.nodes[name].update(dict.fromkeys(measures, 0))
     last = {layer_of[node]: node for node in traced.graph.nodes if node in layer_of and node in records}

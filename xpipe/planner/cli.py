@@ -3,6 +3,7 @@
     xpipe-plan llama3-70b --devices 256 --chip v5e --batch 32 --seq 2048
     xpipe-plan path/to/config.json --devices 64 --chip v5p --batch 256 --plot plan.png
     xpipe-plan xpipe.models:transformer_lm --input-shape 2,64 --devices 8 --memory 2GiB --batch 32
+    xpipe-plan llama3-8b --devices 64 --chip v5e --batch 256 --timeline 1 --plot timeline.svg
 
 The model is a built-in name (the public Llama 3 configs), a Hugging Face
 ``config.json`` (both built on the meta device: nothing is allocated), or
@@ -21,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from xpipe._checks import GATHERS
-from xpipe.planner import GiB, KINDS, PRESETS, Plan, Prediction, plan, preset
+from xpipe.planner import GiB, KINDS, PRESETS, Moment, Plan, Prediction, plan, preset
 
 # Meta's published configs (config.json of each model), the fields that shape the model.
 LLAMA3 = {
@@ -43,9 +44,16 @@ def main(argv: list[str] | None = None) -> int:
         result = _plan(arguments)
         if not result.fitting:
             raise ValueError(nowhere(result))
-        print(report(result, arguments.top))
+        if arguments.timeline is not None:
+            chosen = _listed(result, arguments.timeline)
+            print(timeline_report(chosen))
+            if arguments.plot:
+                draw_timeline(chosen, arguments.plot)
+        else:
+            print(report(result, arguments.top))
+            if arguments.plot:
+                draw(result, arguments.plot, arguments.top)
         if arguments.plot:
-            draw(result, arguments.plot, arguments.top)
             print(f"wrote {arguments.plot}")
     except (ValueError, ImportError, OSError) as error:
         parser.exit(2, f"xpipe-plan: error: {str(error).splitlines()[0]}\n")
@@ -78,7 +86,11 @@ def _parser() -> argparse.ArgumentParser:
                         help="layouts with tensor > 1 run Pipe's sequence_parallel=True")
     parser.add_argument("--slices", type=int, default=1, help="TPU slices; the stage axis crosses them")
     parser.add_argument("--top", type=int, default=10, help="layouts to list (default: 10)")
-    parser.add_argument("--plot", help="FILE.png or FILE.svg: the listed layouts' memory per device by kind")
+    parser.add_argument("--plot", help="FILE.png or FILE.svg: the listed layouts' memory per device by kind "
+                                       "(with --timeline: that layout's bytes at each moment of the step)")
+    parser.add_argument("--timeline", type=int, metavar="K",
+                        help="instead of the list, the bytes per device at each clock of the step of the K-th "
+                             "layout that fits (1: the best), by kind, its peak marked (the plan's figure)")
     return parser
 
 
@@ -158,7 +170,7 @@ def report(result: Plan, top: int) -> str:
     if result.fitting:
         lines.append(f"{'#':>3}  {'stage':>5} {'data':>4} {'fsdp':>4} {'tensor':>6}  {'schedule':<12} "
                      f"{'chunks':>6}  {'checkpoint':<11} {'gather':<6} {'GiB/device':>10}  "
-                     f"({' '.join(k[:5] for k in KINDS)})  {'bubble':>6}  {'step s':>8}")
+                     f"({' '.join(k[:5] for k in KINDS)})  {'bubble':>6}  {'step s':>8}  XLA's peak, by the band")
         for index, prediction in enumerate(result.fitting[:top], 1):
             lines.append(_row(index, prediction))
     pure = result.least_memory(lambda layout: layout.pure_pipeline)
@@ -166,6 +178,77 @@ def report(result: Plan, top: int) -> str:
         lines.append(f"pure pipeline parallelism (fsdp = tensor = 1) does not fit: its smallest layout, {pure.layout}, "
                      f"needs {pure.describe_memory()}, over {pure.capacity / GiB:.2f} GiB")
     return "\n".join(lines)
+
+
+def _listed(result: Plan, index: int) -> Prediction:
+    """The ``index``-th layout of those that fit, best first (1 is the best)."""
+    if not 1 <= index <= len(result.fitting):
+        raise ValueError(f"--timeline: {index} is not a layout that fits; give 1 to {len(result.fitting)} "
+                         "(the layouts that fit, best first)")
+    return result.fitting[index - 1]
+
+
+def timeline_report(prediction: Prediction) -> str:
+    """One layout's step, moment by moment (a run of clocks that hold the same bytes on
+    one line): GiB per device by kind, the peak marked."""
+    timeline = prediction.timeline
+    peak = timeline.peak
+    band = prediction.band
+    measured = ("no cell of this layout kind was measured on the emulated devices" if band is None else
+                f"on the emulated devices XLA's peak for this layout kind was {1 / band.high:.2f} to "
+                f"{1 / band.low:.2f} of the plan's ({band.cells} cells): {_band_text(prediction)} GiB here")
+    lines = [f"{prediction.layout}: bytes per device at each moment of the step (GiB; the peak, "
+             f"{peak.bytes / GiB:.2f}, is the plan's; {measured})",
+             f"  {'moment':<24} {'total':>7}  " + " ".join(f"{kind[:5]:>6}" for kind in KINDS)]
+    for run in _runs(timeline.moments):
+        first, last = run[0], run[-1]
+        label = first.label if len(run) == 1 else f"{first.label.replace('clock', 'clocks')}-{last.label.split()[-1]}"
+        parts = " ".join(f"{first.memory[kind] / GiB:6.2f}" for kind in KINDS)
+        lines.append(f"  {label:<24} {first.bytes / GiB:7.2f}  {parts}{'  <- peak' if peak in run else ''}")
+    return "\n".join(lines)
+
+
+def _runs(moments: tuple[Moment, ...]) -> list[list[Moment]]:
+    """Consecutive moments of one loop (forward or backward) that hold the same bytes, grouped."""
+    runs: list[list[Moment]] = []
+    for moment in moments:
+        previous = runs[-1][-1] if runs else None
+        same_loop = previous is not None and previous.label.split()[0] == moment.label.split()[0] != "loss"
+        if same_loop and previous.memory == moment.memory:
+            runs[-1].append(moment)
+        else:
+            runs.append([moment])
+    return runs
+
+
+def draw_timeline(prediction: Prediction, path: str, measured_peak: int | None = None) -> None:
+    """One layout's bytes per device at each moment of the step, stacked by kind, the
+    chip's capacity and (where given, from ``xpipe.inspect.audit``) XLA's peak beside it."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    moments = prediction.timeline.moments
+    figure, axis = plt.subplots(figsize=(max(6.0, 0.28 * len(moments) + 3), 4.2))
+    bottom = [0.0] * len(moments)
+    for kind in KINDS:
+        heights = [moment.memory[kind] / GiB for moment in moments]
+        axis.bar(range(len(moments)), heights, bottom=bottom, label=kind, width=0.85)
+        bottom = [a + b for a, b in zip(bottom, heights)]
+    peak = moments.index(prediction.timeline.peak)
+    axis.annotate(f"peak {bottom[peak]:.2f} GiB", (peak, bottom[peak]), ha="center", va="bottom", fontsize=8)
+    axis.axhline(prediction.capacity / GiB, color="black", linestyle="--", linewidth=1, label="capacity")
+    if measured_peak is not None:
+        axis.axhline(measured_peak / GiB, color="red", linestyle=":", linewidth=1.2, label="XLA's peak")
+    axis.set_xticks(range(len(moments)), [moment.label.replace(" clock ", " ") for moment in moments],
+                    rotation=90, fontsize=7)
+    axis.set_ylabel("GiB per device")
+    axis.set_title(str(prediction.layout), fontsize=8)
+    axis.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
 
 
 def nowhere(result: Plan) -> str:
@@ -187,7 +270,17 @@ def _row(index: int, prediction: Prediction) -> str:
     parts = " ".join(f"{prediction.memory[kind] / GiB:5.2f}" for kind in KINDS)
     return (f"{index:>3}  {layout.stages:>5} {layout.data:>4} {layout.fsdp:>4} {layout.tensor:>6}  {layout.schedule_label:<12} "
             f"{layout.chunks:>6}  {layout.checkpoint:<11} {layout.gather:<6} {prediction.bytes / GiB:>10.2f}  ({parts})  "
-            f"{prediction.bubble:>6.3f}  {prediction.step_seconds:>8.3f}")
+            f"{prediction.bubble:>6.3f}  {prediction.step_seconds:>8.3f}  {_band_text(prediction)}")
+
+
+def _band_text(prediction: Prediction) -> str:
+    """The GiB XLA held for this layout's kind at the plan's figure, as far off as its
+    measured cells were (:mod:`xpipe.planner.accuracy`)."""
+    band = prediction.band
+    if band is None:
+        return "kind not measured"
+    low, high = band.measured_range(prediction.bytes)
+    return f"{low / GiB:.2f}-{high / GiB:.2f} ({band.cells} cells)"
 
 
 def draw(result: Plan, path: str, top: int) -> None:

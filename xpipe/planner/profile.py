@@ -56,6 +56,9 @@ class ModelProfile:
     # Of what one block keeps, what is whole on every tensor device (Megatron's layout without
     # sequence parallelism): the tensors as wide as the stream, at most WHOLE_STREAMS of them.
     block_stream_saved_bytes_per_row: float = 0.0
+    # Of what one block keeps, the attention probabilities of its largest attention: their gradient,
+    # as large, is made whole in the backward while they are still held.
+    block_attention_bytes_per_row: float = 0.0
     heads: tuple[int, ...] = ()  # the query head counts a tensor size must divide
     key_value_heads: int | None = None  # config.num_key_value_heads, where the model has one
     tokens_per_row: int = 0  # a row's sequence length, where known (a config's), for the loss's segments
@@ -90,6 +93,7 @@ class ModelProfile:
                                    hidden_bytes_per_row=self.hidden_bytes_per_row * ratio,
                                    block_saved_bytes_per_row=self.block_saved_bytes_per_row * ratio,
                                    block_stream_saved_bytes_per_row=self.block_stream_saved_bytes_per_row * ratio,
+                                   block_attention_bytes_per_row=self.block_attention_bytes_per_row * ratio,
                                    outer_saved_bytes_per_row=self.outer_saved_bytes_per_row * ratio,
                                    itemsize=itemsize)
 
@@ -121,6 +125,7 @@ def profile_of_model(model: nn.Module, sample_input: Any) -> ModelProfile:
     total_flops = sum(graph.nodes[layer].get("flops", 0) for layer in layers)
     block_flops = sum(graph.nodes[layer].get("flops", 0) for layer in block_layers)
     block_saved = sum(graph.nodes[layer].get("activation_bytes", 0) for layer in block_layers)
+    attention = max(graph.nodes[layer].get("attention_bytes", 0) for layer in block_layers)
     outer_saved = sum(graph.nodes[layer].get("activation_bytes", 0) for layer in layers if layer not in body_layers)
     itemsize = next(model.parameters()).element_size()
     try:
@@ -140,6 +145,7 @@ def profile_of_model(model: nn.Module, sample_input: Any) -> ModelProfile:
         stream_bytes_per_row=stream_bytes,
         hidden_bytes_per_row=hidden_bytes,
         block_saved_bytes_per_row=block_saved / rows, block_stream_saved_bytes_per_row=block_stream_saved / rows,
+        block_attention_bytes_per_row=attention / rows,
         outer_saved_bytes_per_row=outer_saved / rows,
         itemsize=itemsize, heads=tuple(sorted(set(query_head_counts(model).values()))),
         key_value_heads=key_value_heads_of(model),
@@ -229,6 +235,7 @@ def profile_of_config(config: Any, seq: int, itemsize: int = 2, padding_mask: bo
         hidden_bytes_per_row=seq * hidden * itemsize,
         block_saved_bytes_per_row=saved_elements * itemsize,
         block_stream_saved_bytes_per_row=period * WHOLE_STREAMS * seq * hidden * itemsize,
+        block_attention_bytes_per_row=heads * seq * seq * itemsize,
         # The logits in the model's dtype, their float32 copy for the loss, and its gradient.
         outer_saved_bytes_per_row=seq * vocab * (itemsize + 8), itemsize=itemsize,
         heads=(heads,), key_value_heads=kv_heads, tokens_per_row=seq)

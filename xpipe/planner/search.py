@@ -24,14 +24,15 @@ from torch import nn
 
 from xpipe._checks import GATHERS, check_gather, check_optimizer_states, check_positive_int
 from xpipe.layout import MeshAxes, is_vocabulary_table, loss_segments, microbatch_slots, outer_step_numel, spread
-from xpipe.planner.memory import per_device
+from xpipe.planner.accuracy import Band, band_of, layout_kind
+from xpipe.planner.memory import DeviceMemory, per_device
 from xpipe.planner.profile import ModelProfile, profile_of_config, profile_of_model
+from xpipe.planner.timeline import KINDS, StepTerms, Timeline, step_timeline
 from xpipe.recompute import MODES, first_kept_clock
 from xpipe.schedule import Schedule, circular, gpipe
 from xpipe.tensor.rules import Rules
 
 GiB = 1 << 30
-KINDS = ("parameters", "gradients", "optimizer", "gathered", "activations")
 
 
 @dataclass(frozen=True)
@@ -82,6 +83,11 @@ class Layout:
         return self.fsdp == 1 and self.tensor == 1
 
     @property
+    def kind(self) -> str:
+        """What sets its memory apart (:func:`xpipe.planner.accuracy.layout_kind`)."""
+        return layout_kind(self.schedule, self.checkpoint, self.gather, self.tensor, self.sequence_parallel)
+
+    @property
     def schedule_label(self) -> str:
         """The schedule with its rounds, e.g. ``"circular x2"``."""
         return self.schedule if self.virtual == 1 else f"{self.schedule} x{self.virtual}"
@@ -107,6 +113,7 @@ class Prediction:
     communication: dict[str, float]  # bytes one device sends per step, by mesh axis
     seconds: dict[str, float]  # the step's time by part, at the chip's peak figures
     capacity: int
+    timeline: Timeline | None = field(default=None, repr=False)  # the step's moments; memory is its peak's
 
     @property
     def bytes(self) -> int:
@@ -121,6 +128,12 @@ class Prediction:
     def step_seconds(self) -> float:
         """A lower bound: peak FLOP/s and link bandwidth, no overlap of communication with compute."""
         return sum(self.seconds.values())
+
+    @property
+    def band(self) -> Band | None:
+        """How close the plan came to XLA's peak on the emulated devices for this layout's
+        kind (:mod:`xpipe.planner.accuracy`), or None where no cell measured it."""
+        return band_of(self.layout.kind)
 
     def describe_memory(self) -> str:
         parts = ", ".join(f"{kind} {self.memory[kind] / GiB:.2f}" for kind in KINDS)
@@ -333,16 +346,12 @@ def predict(profile: ModelProfile, layout: Layout, *, chip: Chip, batch: int, ca
                          optimizer_states=optimizer_states, gather=layout.gather)
     rows = max(1, -(-batch // (layout.chunks * axes.row_groups)))  # of one microbatch, on one device
     segments = _loss_segments(profile, layout, batch)
-    activations = _activation_bytes(profile, layout, schedule, depth, rows, batch, segments)
-    # The loop keeps, per clock, the weights of the round it runs (a circular stage holds V rounds' slots).
-    gathered = weights.gathered + len(schedule.forward_clocks()) * weights.kept_per_clock // layout.virtual
-    gathered += _loss_accumulator_bytes(profile, layout.axes) if segments > 1 else 0
-    memory = {"parameters": weights.parameters, "gradients": weights.gradients, "optimizer": weights.optimizer,
-              "gathered": gathered, "activations": activations}
+    timeline = step_timeline(_step_terms(profile, layout, schedule, depth, rows, batch, segments, weights))
+    memory = timeline.peak.memory
     communication = _communication(profile, layout, schedule, depth, rows, itemsize, split, stacked)
     seconds = _seconds(profile, layout, schedule, depth, rows, batch, chip, communication, weights.resting, slices)
     return Prediction(layout, memory, schedule.bubble_fraction, communication, seconds,
-                      chip.memory if capacity is None else capacity)
+                      chip.memory if capacity is None else capacity, timeline)
 
 
 def _vocabulary_table(profile: ModelProfile) -> tuple[int, ...] | None:
@@ -368,12 +377,12 @@ def _loss_accumulator_bytes(profile: ModelProfile, axes: MeshAxes) -> int:
     return 4 * outer_step_numel([_vocabulary_table(profile)], axes)
 
 
-def _activation_bytes(profile: ModelProfile, layout: Layout, schedule: Schedule, depth: int, rows: int,
-                      batch: int, segments: int) -> int:
-    """The busiest device's activations at the step's peak: the conveyor's slot buffer and
-    stage state, the inputs each clock of the recomputing loop keeps, everything each clock
-    of the keeping loop saves, one recomputed cell's working set, and the layers around the
-    body on the device's rows."""
+def _step_terms(profile: ModelProfile, layout: Layout, schedule: Schedule, depth: int, rows: int, batch: int,
+                segments: int, weights: DeviceMemory) -> StepTerms:
+    """The bytes each part of the step holds on the busiest device (:class:`StepTerms`):
+    the conveyor's slot buffer and stage state, the inputs each clock of the recomputing
+    loop keeps, everything each clock of the keeping loop saves, one recomputed cell's
+    working set, the layers around the body on the device's rows, and the weights."""
     stream = rows * profile.stream_bytes_per_row
     conveyed = stream / layout.tensor  # each tensor device carries its share between stages (Packing.ways)
     # What one block saves for one microbatch: what is as wide as the stream whole (split by sequence with
@@ -391,11 +400,24 @@ def _activation_bytes(profile: ModelProfile, layout: Layout, schedule: Schedule,
     slots = microbatch_slots(layout.chunks, layout.stages)
     # Every forward clock keeps, on every stage, what its loop keeps: the idle cells run real rows.
     recomputing, keeping = _loop_clocks(schedule, layout.checkpoint)
-    busiest = recomputing * recomputed + keeping * cell + (working if recomputing else 0)
     # The layers around the body: mostly the logits, split by vocabulary over "tensor" (layout.outer_step_spec),
     # made one sequence segment at a time for the loss (xpipe.spmd.segmented_loss).
     around = layout.outer_rows(batch) * profile.outer_saved_bytes_per_row / segments / layout.tensor
-    return int((slots + 1) * conveyed + busiest + around)
+    # Gathered once per step, the weights get gradients of their size; per block, each slot's gradient is
+    # reduced into the resting shard as the backward makes it, and only the outer layers' is whole.
+    outer = outer_step_numel(profile.outer_weights, layout.axes) * profile.itemsize if layout.axes.sharding else 0
+    gradients = weights.gathered // 2 if layout.gather == "step" else outer
+    # The recomputing loop keeps its cells' inputs, the stage's weights among them (every round's, on a
+    # circular stage); a keeping clock keeps what its cell read: the round's weights.
+    return StepTerms(
+        resting={"parameters": weights.parameters, "gradients": weights.gradients, "optimizer": weights.optimizer},
+        gathered=weights.gathered - (0 if layout.gather == "block" else gradients), gathered_gradients=gradients,
+        kept_weights=weights.kept_per_clock, kept_round_weights=weights.kept_per_clock // layout.virtual,
+        conveyor=int((slots + 1) * conveyed), recomputing_input=int(recomputed), keeping_cell=int(cell),
+        working=int(working), attention_gradient=int(rows * profile.block_attention_bytes_per_row / layout.tensor),
+        loss=int(around),
+        loss_accumulator=_loss_accumulator_bytes(profile, layout.axes) if segments > 1 else 0,
+        recomputing=recomputing, keeping=keeping)
 
 
 def _communication(profile: ModelProfile, layout: Layout, schedule: Schedule, depth: int, rows: int,

@@ -1,0 +1,53 @@
+"""How close the plan's peak came to XLA's, per layout kind, on the emulated devices:
+the band ``xpipe-plan`` prints beside a layout's bytes.
+
+The ratios are predicted / measured over the cells ``tools/peak_grid.py`` compiles
+(a Hugging Face Llama and GPT-2 of 8 layers, widths 64 and 128, 8 to 256 tokens a
+row, 8 emulated devices; docs/planning.md lists every cell). A kind no cell
+measured has no band, and says so.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Band:
+    """The predicted / measured ratios of one layout kind's cells."""
+
+    low: float
+    high: float
+    cells: int
+
+    def measured_range(self, predicted: int) -> tuple[float, float]:
+        """The bytes XLA would hold where the plan predicts ``predicted``, were this
+        layout as far off as the kind's cells were at most, either way."""
+        return predicted / self.high, predicted / self.low
+
+
+# tools/peak_grid.py --measured FILE --bands, on the cells measured for issue 60.
+BANDS: dict[str, Band] = {
+    "circular, always, gather step, no tensor": Band(0.98, 1.11, 6),
+    "circular, except_last, gather step, no tensor": Band(0.90, 1.07, 6),
+    "gpipe, always, gather block, no tensor": Band(0.65, 1.12, 5),
+    "gpipe, always, gather block, tensor": Band(0.66, 1.13, 5),
+    "gpipe, always, gather step, tensor": Band(0.97, 1.25, 6),
+    "gpipe, except_last, gather step, no tensor": Band(0.87, 1.15, 26),
+    "gpipe, except_last, gather step, tensor, sequence parallel": Band(0.86, 1.02, 5),
+    "gpipe, never, gather step, tensor": Band(0.82, 1.06, 4),
+    "gpipe, never, gather step, tensor, sequence parallel": Band(0.80, 1.09, 3),
+}
+
+
+def layout_kind(schedule: str, checkpoint: str, gather: str, tensor: int, sequence_parallel: bool) -> str:
+    """What sets a layout's memory apart from another's: the schedule, what is
+    recomputed, when weights are gathered, and whether "tensor" (and sequence
+    parallelism) splits the blocks."""
+    split = "no tensor" if tensor == 1 else "tensor, sequence parallel" if sequence_parallel else "tensor"
+    return f"{schedule}, {checkpoint}, gather {gather}, {split}"
+
+
+def band_of(kind: str) -> Band | None:
+    """The measured band of ``kind`` (see :func:`layout_kind`), or None where no cell measured it."""
+    return BANDS.get(kind)

@@ -1,0 +1,105 @@
+"""What one device holds at each moment of an spmd step, by kind: the plan's peak is
+the largest of them.
+
+The spmd executor's step is one XLA program: the layers before the body, the
+forward clock loops (one that keeps only each clock's input, for recomputation,
+then one that keeps everything), the loss, and the backward loops in reverse. XLA
+sizes a loop's carried stacks for all of its clocks when the loop begins (each
+clock writes its slice into them), so what a loop keeps for the backward is held
+whole from its first clock on, and stays until the backward loop that reads it
+has run. The moments here follow that program:
+
+- ``forward clock c``: the weights at rest, those gathered for the step, the
+  conveyor's slots, the stacks of every forward loop begun so far, and the cell
+  the clock runs;
+- ``loss``: everything the forward kept, the logits of the layers after the body
+  and, from here on, the gradients of the gathered weights;
+- ``backward clock c``: the stacks of the loops whose backward has not finished,
+  the gradients, the cell the clock differentiates (recomputed where its loop
+  kept only the input), and the gradient of an attention's probabilities, which
+  XLA makes whole while the probabilities are held.
+
+docs/planning.md derives the terms and lists, per layout kind, how close the
+peak comes to XLA's on the emulated devices (``tools/peak_grid.py``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+KINDS = ("parameters", "gradients", "optimizer", "gathered", "activations")
+
+
+@dataclass(frozen=True)
+class Moment:
+    """One point of the step and the bytes one device holds there, by kind (KINDS)."""
+
+    label: str
+    memory: dict[str, int]
+
+    @property
+    def bytes(self) -> int:
+        return sum(self.memory.values())
+
+
+@dataclass(frozen=True)
+class Timeline:
+    """A step's moments in program order (see the module's docstring)."""
+
+    moments: tuple[Moment, ...]
+
+    @property
+    def peak(self) -> Moment:
+        """The first moment that holds the most."""
+        return max(self.moments, key=lambda moment: moment.bytes)
+
+
+@dataclass(frozen=True)
+class StepTerms:
+    """The bytes each part of a step holds on one device, as the planner counts them."""
+
+    resting: dict[str, int]  # parameters, gradients, optimizer: the whole step
+    gathered: int  # the weights gathered for the step (or a block slot's), the whole step
+    gathered_gradients: int  # their gradients, from the loss on
+    kept_weights: int  # the body's weights the recomputing loop keeps for its backward, per clock
+    kept_round_weights: int  # those the keeping loop keeps per clock: the round's the cell ran
+    conveyor: int  # the conveyor's slots and the stage state, the whole step
+    recomputing_input: int  # what a recomputing clock keeps: its input
+    keeping_cell: int  # what a keeping clock keeps: everything its cell saves
+    working: int  # one cell's activations while it runs (forward, recomputation or backward)
+    attention_gradient: int  # the gradient of one attention's probabilities, in each backward clock
+    loss: int  # the logits of the layers after the body, at the loss
+    loss_accumulator: int  # the float32 head gradient the segmented loss adds up
+    recomputing: int  # forward clocks of the loop that recomputes
+    keeping: int  # forward clocks of the loop that keeps
+
+
+def step_timeline(terms: StepTerms) -> Timeline:
+    """The moments of one step (see the module's docstring) from its ``terms``."""
+    clocks = terms.recomputing + terms.keeping
+    moments = []
+
+    def at(label: str, stacks: int, kept: int, gradients: int, activations: int) -> None:
+        memory = {**terms.resting, "gathered": terms.gathered + kept + gradients,
+                  "activations": terms.conveyor + stacks + activations}
+        moments.append(Moment(label, memory))
+
+    def held(recomputing_loop: bool, keeping_loop: bool) -> tuple[int, int]:
+        """The activations and the kept weights of the loops whose stacks are live."""
+        activations = (terms.recomputing * terms.recomputing_input * recomputing_loop
+                       + terms.keeping * terms.keeping_cell * keeping_loop)
+        weights = (terms.kept_weights * terms.recomputing * recomputing_loop
+                   + terms.kept_round_weights * terms.keeping * keeping_loop)
+        return activations, weights
+
+    for clock in range(clocks):
+        stacks, kept = held(True, clock >= terms.recomputing)
+        at(f"forward clock {clock}", stacks, kept, 0, terms.working if clock < terms.recomputing else 0)
+    stacks, kept = held(True, True)
+    at("loss", stacks, kept, terms.gathered_gradients + terms.loss_accumulator, terms.loss)
+    for clock in reversed(range(clocks)):
+        stacks, kept = held(True, clock >= terms.recomputing)
+        recomputed = clock < terms.recomputing  # a kept cell's backward reads its stack entry
+        at(f"backward clock {clock}", stacks, kept, terms.gathered_gradients,
+           (terms.working if recomputed else 0) + terms.attention_gradient)
+    return Timeline(tuple(moments))

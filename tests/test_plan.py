@@ -18,7 +18,7 @@ import xpipe
 from xpipe.layout import LOSS_SEGMENTS_FROM, MeshAxes, sequence_segments
 from xpipe.planner import GiB, Layout, predict, preset
 from xpipe.planner.accuracy import BANDS
-from xpipe.planner.cli import main
+from xpipe.planner.cli import draw_timeline, llama3_config, main
 from xpipe.planner.memory import per_device
 from xpipe.planner.profile import WHOLE_STREAMS, profile_of_config, profile_of_model
 from xpipe.recompute import first_kept_clock
@@ -247,6 +247,9 @@ def test_the_timeline_of_a_listed_layout_marks_the_plans_peak(tmp_path, capsys):
     assert len(peak) == 1 and float(re.findall(r"\d+\.\d+", peak[0])[0]) == listed, lines
     assert any(line.strip().startswith("forward clock") for line in lines), lines
     assert (tmp_path / "timeline.svg").stat().st_size > 5_000
+    best = xpipe.plan(llama3_config("llama3-8b"), devices=32, chip="v6e", batch=64).fitting[0]
+    draw_timeline(best, str(tmp_path / "beside.svg"), measured_peak=best.bytes // 2)  # with an audit's peak
+    assert "XLA's peak" in (tmp_path / "beside.svg").read_text()
     with pytest.raises(SystemExit):
         main([*job, "--timeline", "100000"])
     assert "--timeline: 100000 is not a layout that fits; give 1 to " in capsys.readouterr().err
@@ -256,7 +259,7 @@ def test_a_layouts_band_is_how_far_xlas_peak_was_from_the_plan_for_its_kind(caps
     """``tools/peak_grid.py``'s measured ratios per layout kind: each listed layout prints
     the bytes XLA held at the plan's figure as far off as its kind's cells were, or that
     no cell of its kind was measured."""
-    assert BANDS and all(0.5 < band.low <= band.high < 2 and band.cells > 0 for band in BANDS.values())
+    assert BANDS and all(0.4 < band.low <= band.high < 2 and band.cells > 0 for band in BANDS.values())
     profile = profile_of_model(llama(8), {"input_ids": tokens(2, 8)})
     measured = predict(profile, Layout(2, 1, 4, 1, 4), chip=preset("v5e"), batch=16)
     band = BANDS["gpipe, except_last, gather step, no tensor"]

@@ -3,6 +3,7 @@
     python tools/peak_grid.py                       # the whole grid: about an hour on 2 cores
     python tools/peak_grid.py --seq 64 --width 128  # one shape, every layout kind
     python tools/peak_grid.py --buffers 8           # and the 8 largest buffers live at XLA's peak
+    python tools/peak_grid.py --measured tools/peak_grid_cells.jsonl --bands   # predict the measured cells again
 
 For a Hugging Face Llama (8 layers, grouped-query attention, vocabulary 2048) and GPT-2
 (8 layers, vocabulary 2048), 16 rows of ``--seq`` tokens at each width, on 8 emulated
@@ -10,8 +11,10 @@ devices: one forward and backward of an spmd ``Pipe`` under ``xpipe.inspect.audi
 and ``xpipe.planner.predict`` for the same layout, less its optimizer term (the audited
 program runs no optimizer). Prints one line per cell: predicted / measured. With
 ``--buffers`` it also lists what XLA's buffer assignment holds at the peak, by size,
-so that a term the planner lacks can be read off the listing. docs/planning.md quotes
-the table; tests/spmd/test_audit.py checks a sample of its cells.
+so that a term the planner lacks can be read off the listing. ``--save`` keeps each
+measured cell (``tools/peak_grid_cells.jsonl`` holds the grid docs/planning.md quotes);
+``--measured`` predicts saved cells again, in seconds, and ``--bands`` prints
+``xpipe.planner.accuracy.BANDS`` and the table from them.
 """
 
 from __future__ import annotations

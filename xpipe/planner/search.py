@@ -2,8 +2,9 @@
 
 ``xpipe.plan`` enumerates the spmd executor's layouts (stages x data x fsdp x
 tensor, chunks, schedule, rounds, checkpoint policy) and predicts for each, per
-device: the bytes by kind (the memory model of :mod:`xpipe.planner.memory` for the
-weights, gradients, optimizer state and the step's gathered copies; the
+device: the bytes by kind at the peak of the step's timeline
+(:mod:`xpipe.planner.timeline`: the memory model of :mod:`xpipe.planner.memory`
+for the weights, gradients, optimizer state and the step's gathered copies; the
 activations from the schedule's own table and the model's profile), the
 bubble (the schedule's table), the bytes each mesh axis moves per step, and a
 step time at the chip's stated peak figures. Nothing is built on a device:

@@ -84,21 +84,20 @@ def step_timeline(terms: StepTerms) -> Timeline:
                   "activations": terms.conveyor + stacks + activations}
         moments.append(Moment(label, memory))
 
-    def held(recomputing_loop: bool, keeping_loop: bool) -> tuple[int, int]:
-        """The activations and the kept weights of the loops whose stacks are live."""
-        activations = (terms.recomputing * terms.recomputing_input * recomputing_loop
-                       + terms.keeping * terms.keeping_cell * keeping_loop)
-        weights = (terms.kept_weights * terms.recomputing * recomputing_loop
-                   + terms.kept_round_weights * terms.keeping * keeping_loop)
+    def held(keeping_loop: bool) -> tuple[int, int]:
+        """The activations and the weights the live stacks keep: the recomputing loop's
+        always (it runs first, its backward last), the keeping loop's while ``keeping_loop``."""
+        activations = terms.recomputing * terms.recomputing_input + terms.keeping * terms.keeping_cell * keeping_loop
+        weights = terms.recomputing * terms.kept_weights + terms.keeping * terms.kept_round_weights * keeping_loop
         return activations, weights
 
     for clock in range(clocks):
-        stacks, kept = held(True, clock >= terms.recomputing)
+        stacks, kept = held(clock >= terms.recomputing)
         at(f"forward clock {clock}", stacks, kept, 0, terms.working if clock < terms.recomputing else 0)
-    stacks, kept = held(True, True)
+    stacks, kept = held(True)
     at("loss", stacks, kept, terms.gathered_gradients + terms.loss_accumulator, terms.loss)
     for clock in reversed(range(clocks)):
-        stacks, kept = held(True, clock >= terms.recomputing)
+        stacks, kept = held(clock >= terms.recomputing)
         recomputed = clock < terms.recomputing  # a kept cell's backward reads its stack entry
         at(f"backward clock {clock}", stacks, kept, terms.gathered_gradients,
            (terms.working if recomputed else 0) + terms.attention_gradient)

@@ -213,7 +213,7 @@ def test_the_plan_as_a_picture(tmp_path, capsys):
 
 def test_a_layouts_memory_is_the_peak_of_its_step_timeline():
     """The step's moments in program order: each forward clock, the loss, each backward
-    clock. The gathered weights' gradients exist from the loss on; the recomputing loop
+    clock. The outer layers' gradients exist from the loss on; the recomputing loop
     keeps every round's weights per clock and the keeping loop the round's only (XLA's
     buffer assignment, tools/peak_grid.py); the prediction's bytes are the peak's."""
     profile = profile_of_model(llama(8), {"input_ids": tokens(2, 8)})
@@ -227,7 +227,7 @@ def test_a_layouts_memory_is_the_peak_of_its_step_timeline():
                                                        + [f"backward clock {c}" for c in reversed(range(clocks))])
         assert prediction.memory == timeline.peak.memory and prediction.bytes == max(m.bytes for m in timeline.moments)
         forward, loss = timeline.moments[clocks - 1], timeline.moments[clocks]
-        assert loss.memory["gathered"] > forward.memory["gathered"], "the gathered weights' gradients, from the loss on"
+        assert loss.memory["gathered"] > forward.memory["gathered"], "the outer layers' gradients, from the loss on"
     weights = per_device(stacked=[(2, 4, math.prod(shape)) for _, shape in profile.block_weights],
                          outer=profile.outer_weights, axes=MeshAxes(2, 1, 4, 1))
     recomputing = first_kept_clock(xpipe.schedule.circular(2, 4, 2), "except_last")

@@ -24,6 +24,7 @@ from torch import nn
 
 from xpipe.capture.stacking import StackedModel, block_inputs, cut_for_stacking
 from xpipe.capture.trace import trace_layers
+from xpipe.layout import is_vocabulary_table
 from xpipe.partition import partition_captured
 from xpipe.tensor.inference import CannotInfer, infer_tensor_dims
 from xpipe.tensor.rules import Packed, Rules, key_value_heads_of, query_head_counts, unruled
@@ -36,6 +37,11 @@ from xpipe.tensor.splits import block_splits
 # and the attention's and the MLP's inputs. Eager PyTorch saves more stream-wide tensors
 # (an RMSNorm's intermediates: twelve in all for Llama's block), which XLA fuses away.
 WHOLE_STREAMS = 4
+
+# The float32 copies of the logits XLA's loss holds at once: the logits, their exponentials
+# and the softmax (or its gradient), read off the buffer assignment at the loss
+# (tools/peak_grid.py --buffers); a config's profile counts the same (s V (b + 8) bytes a row).
+LOSS_LOGITS_COPIES = 3
 
 
 @dataclass(frozen=True)
@@ -134,6 +140,9 @@ def profile_of_model(model: nn.Module, sample_input: Any) -> ModelProfile:
         raise ValueError(f"model: the spmd executor cannot stack its blocks, so Pipe runs none of the layouts "
                          f"xpipe-plan lists ({error})") from error
     stream_bytes, hidden_bytes, width = _stream_measures(stacked, sample_input)
+    after_body = layers[repeated.start + repeated.period * repeated.count:]
+    logits = _logits_numel_per_row(graph, after_body, outer.values(), block_inputs(stacked, sample_input)[0])
+    outer_saved = max(outer_saved, LOSS_LOGITS_COPIES * 4 * logits * rows)
     block_stream_saved = min(sum(dict(graph.nodes[layer].get("activation_bytes_by_width", ())).get(width, 0)
                                  for layer in block_layers), WHOLE_STREAMS * hidden_bytes * rows)
     return ModelProfile(
@@ -151,6 +160,16 @@ def profile_of_model(model: nn.Module, sample_input: Any) -> ModelProfile:
         key_value_heads=key_value_heads_of(model),
         read_tensor_dims=_read_tensor_dims(stacked, sample_input, [name for name, _ in block_params]),
         stream_rank=block_inputs(stacked, sample_input)[0].dim())
+
+
+def _logits_numel_per_row(graph: Any, after_body: list[str], outer_shapes: Any, stream: torch.Tensor) -> int:
+    """Elements of one row's logits where a layer after the body reads a vocabulary table
+    (an LM head: the stream's tokens times the table's rows); 0 where none does."""
+    tables = {math.prod(shape): shape[0] for shape in outer_shapes if is_vocabulary_table(shape)}
+    vocabularies = [tables[graph.nodes[layer].get("params", 0)] for layer in after_body
+                    if graph.nodes[layer].get("params", 0) in tables]
+    tokens = stream.shape[1] if stream.dim() >= 3 else 1
+    return tokens * max(vocabularies, default=0)
 
 
 def _stream_measures(stacked: StackedModel, sample_input: Any) -> tuple[float, float, int]:

@@ -413,6 +413,7 @@ def _step_terms(profile: ModelProfile, layout: Layout, schedule: Schedule, depth
     return StepTerms(
         resting={"parameters": weights.parameters, "gradients": weights.gradients, "optimizer": weights.optimizer},
         gathered=weights.gathered - (0 if layout.gather == "block" else gradients), gathered_gradients=gradients,
+        outer_gradients=outer,
         kept_weights=weights.kept_per_clock, kept_round_weights=weights.kept_per_clock // layout.virtual,
         conveyor=int((slots + 1) * conveyed), recomputing_input=int(recomputed), keeping_cell=int(cell),
         working=int(working), attention_gradient=int(rows * profile.block_attention_bytes_per_row / layout.tensor),

@@ -13,9 +13,9 @@ has run. The moments here follow that program:
   conveyor's slots, the stacks of every forward loop begun so far, and the cell
   the clock runs;
 - ``loss``: everything the forward kept, the logits of the layers after the body
-  and, from here on, the gradients of the gathered weights;
+  and, from here on, the gradients of the layers around the body;
 - ``backward clock c``: the stacks of the loops whose backward has not finished,
-  the gradients, the cell the clock differentiates (recomputed where its loop
+  the gradients of the gathered body too, the cell the clock differentiates (recomputed where its loop
   kept only the input), and the gradient of an attention's probabilities, which
   XLA makes whole while the probabilities are held.
 
@@ -60,7 +60,8 @@ class StepTerms:
 
     resting: dict[str, int]  # parameters, gradients, optimizer: the whole step
     gathered: int  # the weights gathered for the step (or a block slot's), the whole step
-    gathered_gradients: int  # their gradients, from the loss on
+    gathered_gradients: int  # their gradients, in the backward clocks
+    outer_gradients: int  # of those, the layers around the body's: from the loss on
     kept_weights: int  # the body's weights the recomputing loop keeps for its backward, per clock
     kept_round_weights: int  # those the keeping loop keeps per clock: the round's the cell ran
     conveyor: int  # the conveyor's slots and the stage state, the whole step
@@ -95,7 +96,7 @@ def step_timeline(terms: StepTerms) -> Timeline:
         stacks, kept = held(clock >= terms.recomputing)
         at(f"forward clock {clock}", stacks, kept, 0, terms.working if clock < terms.recomputing else 0)
     stacks, kept = held(True)
-    at("loss", stacks, kept, terms.gathered_gradients + terms.loss_accumulator, terms.loss)
+    at("loss", stacks, kept, terms.outer_gradients + terms.loss_accumulator, terms.loss)
     for clock in reversed(range(clocks)):
         stacks, kept = held(clock >= terms.recomputing)
         recomputed = clock < terms.recomputing  # a kept cell's backward reads its stack entry

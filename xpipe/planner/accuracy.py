@@ -47,7 +47,3 @@ def layout_kind(schedule: str, checkpoint: str, gather: str, tensor: int, sequen
     split = "no tensor" if tensor == 1 else "tensor, sequence parallel" if sequence_parallel else "tensor"
     return f"{schedule}, {checkpoint}, gather {gather}, {split}"
 
-
-def band_of(kind: str) -> Band | None:
-    """The measured band of ``kind`` (see :func:`layout_kind`), or None where no cell measured it."""
-    return BANDS.get(kind)

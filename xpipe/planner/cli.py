@@ -194,9 +194,13 @@ def timeline_report(prediction: Prediction) -> str:
     timeline = prediction.timeline
     peak = timeline.peak
     band = prediction.band
-    measured = ("no cell of this layout kind was measured on the emulated devices" if band is None else
-                f"on the emulated devices XLA's peak for this layout kind was {1 / band.high:.2f} to "
-                f"{1 / band.low:.2f} of the plan's ({band.cells} cells): {_band_text(prediction)} GiB here")
+    if band is None:
+        measured = "no cell of this layout kind was measured on the emulated devices"
+    else:
+        low, high = band.measured_range(prediction.bytes)
+        measured = (f"on the emulated devices XLA's peak for this layout kind was {1 / band.high:.2f} to "
+                    f"{1 / band.low:.2f} of the plan's ({band.cells} cells): {low / GiB:.2f} to {high / GiB:.2f} "
+                    "GiB here")
     lines = [f"{prediction.layout}: bytes per device at each moment of the step (GiB; the peak, "
              f"{peak.bytes / GiB:.2f}, is the plan's; {measured})",
              f"  {'moment':<24} {'total':>7}  " + " ".join(f"{kind[:5]:>6}" for kind in KINDS)]

@@ -29,6 +29,7 @@ class DeviceMemory:
     gathered: int  # during a step: the whole weights of its stage (or of a block slot) and of the outer layers,
     # and their gradients
     kept_per_clock: int = 0  # the body's weights the clock loop keeps for its backward, with every clock
+    gathered_outer: int = 0  # of one gathered copy, the layers around the body's (in ``gathered`` once or twice)
 
     @property
     def resting(self) -> int:
@@ -87,7 +88,7 @@ def per_device(*, stacked: Iterable[tuple[int, ...]], outer: Iterable[tuple[int,
                                                for shape, cut in zip(stacked, split))
     state_itemsize = itemsize if optimizer_itemsize is None else optimizer_itemsize
     return DeviceMemory(parameters, parameters, (body + around) * optimizer_states * state_itemsize, gathered,
-                        kept * itemsize)
+                        kept * itemsize, step_outer * itemsize)
 
 
 def _checked(stacked: Iterable[tuple[int, ...]], outer: Iterable[tuple[int, ...]], axes: MeshAxes,

@@ -139,9 +139,10 @@ def profile_of_model(model: nn.Module, sample_input: Any) -> ModelProfile:
     except ValueError as error:
         raise ValueError(f"model: the spmd executor cannot stack its blocks, so Pipe runs none of the layouts "
                          f"xpipe-plan lists ({error})") from error
-    stream_bytes, hidden_bytes, width = _stream_measures(stacked, sample_input)
+    inputs = block_inputs(stacked, sample_input)  # the pre-body layers run once on the sample, for all below
+    stream_bytes, hidden_bytes, width = _stream_measures(stacked, inputs)
     after_body = layers[repeated.start + repeated.period * repeated.count:]
-    logits = _logits_numel_per_row(graph, after_body, outer.values(), block_inputs(stacked, sample_input)[0])
+    logits = _logits_numel_per_row(graph, after_body, outer.values(), inputs[0])
     outer_saved = max(outer_saved, LOSS_LOGITS_COPIES * 4 * logits * rows)
     block_stream_saved = min(sum(dict(graph.nodes[layer].get("activation_bytes_by_width", ())).get(width, 0)
                                  for layer in block_layers), WHOLE_STREAMS * hidden_bytes * rows)
@@ -158,8 +159,8 @@ def profile_of_model(model: nn.Module, sample_input: Any) -> ModelProfile:
         outer_saved_bytes_per_row=outer_saved / rows,
         itemsize=itemsize, heads=tuple(sorted(set(query_head_counts(model).values()))),
         key_value_heads=key_value_heads_of(model),
-        read_tensor_dims=_read_tensor_dims(stacked, sample_input, [name for name, _ in block_params]),
-        stream_rank=block_inputs(stacked, sample_input)[0].dim())
+        read_tensor_dims=_read_tensor_dims(stacked, inputs, [name for name, _ in block_params]),
+        stream_rank=inputs[0].dim())
 
 
 def _logits_numel_per_row(graph: Any, after_body: list[str], outer_shapes: Any, stream: torch.Tensor) -> int:
@@ -172,26 +173,26 @@ def _logits_numel_per_row(graph: Any, after_body: list[str], outer_shapes: Any, 
     return tokens * max(vocabularies, default=0)
 
 
-def _stream_measures(stacked: StackedModel, sample_input: Any) -> tuple[float, float, int]:
+def _stream_measures(stacked: StackedModel, inputs: tuple[torch.Tensor, ...]) -> tuple[float, float, int]:
     """Bytes per row of what travels into each block as the spmd executor packs it (the
     stream and every side input with a row per batch row, a padding mask's ``[1, s, s]``
     among them, in the stream's dtype), of the stream alone, and the stream's width
     (its last dim)."""
-    stream, *sides = block_inputs(stacked, sample_input)
+    stream, *sides = inputs
     per_row = [side for side, rows in zip(sides, stacked.side_rows) if rows]
     itemsize = stream.element_size()
     return (sum(piece[0].numel() for piece in (stream, *per_row)) * itemsize, stream[0].numel() * itemsize,
             stream.shape[-1])
 
 
-def _read_tensor_dims(stacked: StackedModel, sample_input: Any,
+def _read_tensor_dims(stacked: StackedModel, inputs: tuple[torch.Tensor, ...],
                       names: list[str]) -> tuple[tuple[str, int | Packed | None], ...]:
     """The splits read from the block's graph, where a block weight no built-in
     rule names needs them and the graph tells."""
     if not unruled(names):
         return ()
     try:
-        return tuple(infer_tensor_dims(stacked.blocks[0], block_inputs(stacked, sample_input)).items())
+        return tuple(infer_tensor_dims(stacked.blocks[0], inputs).items())
     except CannotInfer:  # no tensor layout is planned for it, as without a rule
         return ()
 

@@ -25,7 +25,7 @@ from torch import nn
 
 from xpipe._checks import GATHERS, check_gather, check_optimizer_states, check_positive_int
 from xpipe.layout import MeshAxes, is_vocabulary_table, loss_segments, microbatch_slots, outer_step_numel, spread
-from xpipe.planner.accuracy import Band, band_of, layout_kind
+from xpipe.planner.accuracy import BANDS, Band, layout_kind
 from xpipe.planner.memory import DeviceMemory, per_device
 from xpipe.planner.profile import ModelProfile, profile_of_config, profile_of_model
 from xpipe.planner.timeline import KINDS, StepTerms, Timeline, step_timeline
@@ -114,7 +114,7 @@ class Prediction:
     communication: dict[str, float]  # bytes one device sends per step, by mesh axis
     seconds: dict[str, float]  # the step's time by part, at the chip's peak figures
     capacity: int
-    timeline: Timeline | None = field(default=None, repr=False)  # the step's moments; memory is its peak's
+    timeline: Timeline = field(repr=False)  # the step's moments; memory is its peak's
 
     @property
     def bytes(self) -> int:
@@ -134,7 +134,7 @@ class Prediction:
     def band(self) -> Band | None:
         """How close the plan came to XLA's peak on the emulated devices for this layout's
         kind (:mod:`xpipe.planner.accuracy`), or None where no cell measured it."""
-        return band_of(self.layout.kind)
+        return BANDS.get(self.layout.kind)
 
     def describe_memory(self) -> str:
         parts = ", ".join(f"{kind} {self.memory[kind] / GiB:.2f}" for kind in KINDS)
@@ -404,16 +404,16 @@ def _step_terms(profile: ModelProfile, layout: Layout, schedule: Schedule, depth
     # The layers around the body: mostly the logits, split by vocabulary over "tensor" (layout.outer_step_spec),
     # made one sequence segment at a time for the loss (xpipe.spmd.segmented_loss).
     around = layout.outer_rows(batch) * profile.outer_saved_bytes_per_row / segments / layout.tensor
-    # Gathered once per step, the weights get gradients of their size; per block, each slot's gradient is
-    # reduced into the resting shard as the backward makes it, and only the outer layers' is whole.
-    outer = outer_step_numel(profile.outer_weights, layout.axes) * profile.itemsize if layout.axes.sharding else 0
-    gradients = weights.gathered // 2 if layout.gather == "step" else outer
+    # Gathered once per step, the weights get gradients of their size (per_device counts both); per block,
+    # each slot's gradient is reduced into the resting shard as the backward makes it, and only the outer
+    # layers' is whole.
+    copies = weights.gathered // 2 if layout.gather == "step" else weights.gathered
+    gradients = copies if layout.gather == "step" else weights.gathered_outer
     # The recomputing loop keeps its cells' inputs, the stage's weights among them (every round's, on a
     # circular stage); a keeping clock keeps what its cell read: the round's weights.
     return StepTerms(
         resting={"parameters": weights.parameters, "gradients": weights.gradients, "optimizer": weights.optimizer},
-        gathered=weights.gathered - (0 if layout.gather == "block" else gradients), gathered_gradients=gradients,
-        outer_gradients=outer,
+        gathered=copies, gathered_gradients=gradients, outer_gradients=weights.gathered_outer,
         kept_weights=weights.kept_per_clock, kept_round_weights=weights.kept_per_clock // layout.virtual,
         conveyor=int((slots + 1) * conveyed), recomputing_input=int(recomputed), keeping_cell=int(cell),
         working=int(working), attention_gradient=int(rows * profile.block_attention_bytes_per_row / layout.tensor),

@@ -31,8 +31,10 @@ from xpipe.mesh import axes_of, make_mesh, mesh_axes, spmd_device
 from xpipe.partition import Partition, partition_captured, rebalanced, spmd_balance, spmd_partition
 from xpipe.schedule import Schedule, by_name, check_ring_chunks
 from xpipe.spmd.clock import SpmdOptions
+from xpipe.spmd.executor import AUTO_SCHEDULES
 from xpipe.spmd.executor import SCHEDULES as SPMD_SCHEDULES
 from xpipe.spmd.executor import SpmdPipeline, padded_chunks
+from xpipe.spmd.one_f_one_b import check_options as check_one_f_one_b
 from xpipe.spmd.sequence_parallel import check_sequence_dim
 from xpipe.tensor.inference import CannotInfer, infer_tensor_dims
 from xpipe.tensor.joined_projections import join_column_parallel
@@ -113,7 +115,7 @@ def choose_executor(executor: str, capture: ModelCapture, options: Options) -> s
         return executor
     if options.mesh is not None or xr.is_spmd():
         return "spmd"
-    if options.schedule not in SPMD_SCHEDULES or not can_enter_spmd():
+    if options.schedule not in AUTO_SCHEDULES or not can_enter_spmd():
         return "devices"  # a schedule spmd does not run, or XLA devices already used without SPMD
     requested = requested_stages(options.stages, options.balance, options.virtual)
     devices = xr.global_runtime_device_count()
@@ -167,9 +169,12 @@ def checked_spmd_layout(capture: ModelCapture, options: Options, stages: int, te
     tests can ask it of every layout the planner lists."""
     module = capture.module
     if options.schedule not in SPMD_SCHEDULES:
-        raise ValueError(f"schedule: the spmd executor runs {' and '.join(map(repr, SPMD_SCHEDULES))} (its "
-                         f"clock loop is GPipe's fill-drain, once or round the stage ring), not {options.schedule!r}; "
-                         "use one of those, or executor='devices'")
+        names = ", ".join(map(repr, SPMD_SCHEDULES[:-1])) + f" and {SPMD_SCHEDULES[-1]!r}"
+        raise ValueError(f"schedule: the spmd executor runs {names} (its clock loops are GPipe's fill-drain, once "
+                         f"or round the stage ring, and 1F1B's), not {options.schedule!r}; use one of those, or "
+                         "executor='devices'")
+    if options.schedule == "1f1b":
+        check_one_f_one_b(options.checkpoint, tensor)
     if options.schedule == "circular":  # what the ring cannot run is refused for the chunks asked for
         check_ring_chunks(stages, options.chunks, options.virtual)
     schedule = by_name(options.schedule, stages, padded_chunks(options.chunks, stages), options.virtual)

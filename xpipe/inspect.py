@@ -40,6 +40,9 @@ _SHAPE = re.compile(r"(\w+)\[([\d,]*)\]")
 _COMPUTATION = re.compile(r"^(?:ENTRY )?%?(?P<name>[\w.\-]+) .*\{\s*$")
 _WHILE_BODY = re.compile(r"while\(.*body=%?(?P<body>[\w.\-]+)")
 _TRIPS = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
+_CALLED = re.compile(r"(?:calls|to_apply)=%?([\w.\-]+)")
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%?(?P<name>[\w.\-]+) = \w+\[(?P<dims>[\d,]*)\]")
+_DOT = re.compile(r" dot\(%?(?P<lhs>[\w.\-]+).*lhs_contracting_dims=\{(?P<contracting>[\d,]*)\}")
 
 
 @dataclass(frozen=True)
@@ -85,6 +88,12 @@ class CommunicationReport:
     program: str  # path of the HLO dump read
     peak_bytes: int | None = None  # peak memory of one device, from XLA's buffer assignment
     trips: tuple[tuple[str, int | None], ...] = ()  # each while body of the program, with its known trip count
+
+    @property
+    def matmul_flops(self) -> int:
+        """Floating-point operations of the program's matrix products on one device, each
+        loop body's counted as often as it runs (:func:`matmul_flops`)."""
+        return matmul_flops(Path(self.program).read_text())
 
     def loops(self) -> list[LoopBody]:
         """The per-iteration view: each while loop body's collectives (a body that holds
@@ -235,6 +244,51 @@ def loop_trips(hlo: str) -> tuple[tuple[str, int | None], ...]:
             trips = _TRIPS.search(line)
             found.setdefault(body["body"], int(trips[1]) if trips else None)
     return tuple(found.items())
+
+
+def matmul_flops(hlo: str) -> int:
+    """Floating-point operations of the dot instructions of optimized HLO text
+    (``2 x`` the result's elements ``x`` the contracted size), each times the runs of
+    the computation that holds it: a while body its known trip count times its
+    caller's runs, a fusion or a call its caller's. The step's compute up to its
+    elementwise work, which matrix products dwarf in a transformer."""
+    runs: dict[str, int] = {}
+    calls: list[tuple[str, str, int]] = []  # (caller, callee, times per call)
+    dots: list[tuple[str, list[int], str, list[int]]] = []  # (computation, result dims, lhs, contracted dims)
+    shapes: dict[str, list[int]] = {}
+    computation, entry = "", ""
+    for line in hlo.splitlines():
+        header = _COMPUTATION.match(line)
+        if header and " = " not in line.split("{")[0]:
+            computation = header["name"]
+            entry = computation if line.startswith("ENTRY") else entry
+            continue
+        body = _WHILE_BODY.search(line)
+        if body:
+            trips = _TRIPS.search(line)
+            calls.append((computation, body["body"], int(trips[1]) if trips else 1))
+        for callee in _CALLED.findall(line):
+            calls.append((computation, callee, 1))
+        instruction = _INSTRUCTION.match(line)
+        if instruction:
+            dims = [int(d) for d in instruction["dims"].split(",") if d]
+            shapes[instruction["name"]] = dims
+            dot = _DOT.search(line)
+            if dot:
+                dots.append((computation, dims, dot["lhs"], [int(i) for i in dot["contracting"].split(",") if i]))
+    runs[entry] = 1
+    for _ in range(len(calls)):  # callers come in any order in the text: settle, at most once per call
+        settled = dict(runs)
+        for caller, callee, times in calls:
+            if caller in settled:
+                runs[callee] = max(runs.get(callee, 0), settled[caller] * times)
+        if settled == runs:
+            break
+    total = 0
+    for where, result, lhs, contracting in dots:
+        contracted = np.prod([shapes[lhs][i] for i in contracting], dtype=np.int64)
+        total += runs.get(where, 0) * int(2 * np.prod(result, dtype=np.int64) * contracted)
+    return total
 
 
 def _peak_bytes(program: str) -> int | None:

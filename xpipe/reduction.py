@@ -99,20 +99,53 @@ def loss_fn_items(loss_fn: Callable[..., Any], target: Any) -> Items | None:
     Raises:
         ValueError: a ``reduction`` other than ``"mean"`` and ``"sum"``.
     """
-    how = declared(loss_fn) or Declared("mean")
-    if how.reduction == "sum":
+    if _reduction(loss_fn) == "sum":
         return None
-    if how.reduction != "mean":
-        raise ValueError(f"loss_fn: its reduction is {how.reduction!r}; pipe.step needs a loss that reduces to a "
-                         "scalar ('mean' or 'sum')")
     first = tree_flatten(target)[0][0]
-    if how.ignore_index is None or first.is_floating_point():
-        return rows(target)
-    valid = first != how.ignore_index
+    return rows(target) if _counts_rows(loss_fn, first) else _counted_targets(loss_fn, first, 0)
+
+
+def loss_fn_items_each(loss_fn: Callable[..., Any], target: torch.Tensor, pieces: int) -> torch.Tensor:
+    """:func:`loss_fn_items` of each ``target[i, j, ...]`` at once, the first ``pieces``
+    dims naming the pieces (float32, of those dims' shape); ones for a loss that sums."""
+    shape = target.shape[:pieces]
+    if _reduction(loss_fn) == "sum":
+        return torch.ones(shape, device=target.device)
+    if _counts_rows(loss_fn, target):
+        return torch.full(shape, float(target.shape[pieces]), device=target.device)
+    return _counted_targets(loss_fn, target, pieces).to(torch.float32)
+
+
+def _reduction(loss_fn: Callable[..., Any]) -> str:
+    """``"mean"`` or ``"sum"`` (a function that does not say is taken to mean).
+
+    Raises:
+        ValueError: another reduction.
+    """
+    how = (declared(loss_fn) or Declared("mean")).reduction
+    if how not in ("mean", "sum"):
+        raise ValueError(f"loss_fn: its reduction is {how!r}; pipe.step needs a loss that reduces to a "
+                         "scalar ('mean' or 'sum')")
+    return how
+
+
+def _counts_rows(loss_fn: Callable[..., Any], target: torch.Tensor) -> bool:
+    """Whether a mean-reducing ``loss_fn`` averages over rows (it ignores no target value)."""
+    how = declared(loss_fn) or Declared("mean")
+    return how.ignore_index is None or target.is_floating_point()
+
+
+def _counted_targets(loss_fn: Callable[..., Any], target: torch.Tensor, pieces: int) -> torch.Tensor:
+    """The targets ``loss_fn`` counts (not its ``ignore_index``; by class weight where it
+    has them), summed over all but the first ``pieces`` dims."""
+    how = declared(loss_fn)
+    valid = target != how.ignore_index
     if how.weight is not None:  # nn.CrossEntropyLoss divides by the counted targets' class weights
-        classes = torch.where(valid, first, torch.zeros_like(first))  # an ignore index may lie outside the classes
-        return (how.weight.to(first.device)[classes] * valid).sum()
-    return valid.sum()
+        classes = torch.where(valid, target, torch.zeros_like(target))  # an ignore index may lie outside the classes
+        counted = how.weight.to(target.device)[classes] * valid
+    else:
+        counted = valid
+    return counted.flatten(pieces).sum(-1) if pieces else counted.sum()
 
 
 def model_loss_items(module: torch.nn.Module, inputs: Mapping[str, Any]) -> Items:

@@ -276,7 +276,7 @@ def test_bad_step_arguments_name_themselves():
         xpipe.Pipe(small_cnn(), chunks=4, stages=2, loss_fn="cross_entropy")
     with pytest.raises(ValueError, match="virtual: 'gpipe' runs one model stage per rank"):
         xpipe.Pipe(small_cnn(), chunks=4, stages=2, virtual=2)
-    with pytest.raises(ValueError, match="schedule: the spmd executor runs 'gpipe' and 'circular'"):
+    with pytest.raises(ValueError, match="schedule: the spmd executor runs 'gpipe', 'circular' and '1f1b'"):
         xpipe.Pipe(small_cnn(), chunks=4, stages=2, schedule="interleaved", virtual=2, executor="spmd")
     with pytest.raises(ValueError, match="balance: has 3 entries, not a multiple of virtual=2"):
         xpipe.Pipe(small_cnn(), chunks=4, balance=[1, 2, 3], schedule="circular", virtual=2)

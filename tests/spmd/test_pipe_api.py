@@ -72,8 +72,8 @@ def test_bad_arguments_name_themselves(mesh):
         xpipe.Pipe(tiny_mlp(), chunks=2, mesh=mesh, executor="gpu")
     with pytest.raises(ValueError, match="schedule: 'zb' is not a schedule"):
         xpipe.Pipe(tiny_mlp(), chunks=2, mesh=mesh, schedule="zb")
-    with pytest.raises(ValueError, match="schedule: the spmd executor runs 'gpipe' and 'circular'"):
-        xpipe.Pipe(tiny_mlp(), chunks=2, mesh=mesh, schedule="1f1b")
+    with pytest.raises(ValueError, match="schedule: the spmd executor runs 'gpipe', 'circular' and '1f1b'"):
+        xpipe.Pipe(tiny_mlp(), chunks=2, mesh=mesh, schedule="interleaved", virtual=2)
     with pytest.raises(ValueError, match=r"stages: the model's body \(its longest run of identical blocks\) "
                                          r"has 3 blocks, fewer than the 4 stages; use at most 3 stages, or "
                                          r"executor='devices'"):

@@ -42,6 +42,10 @@ class StackedModel:
             block broadcasts that row to its microbatch's rows.
         exported: for a model captured by torch.export, how ``post``'s flat outputs
             fold back into what the model returns, and the mode it was captured in.
+        skip_rows: for each skip (a tensor computed before the body and read only
+            after it: labels, a tied embedding's weight), whether it has a row per batch
+            row; None where no sample input told (the layers after the body then run on
+            the whole batch, as GPipe runs them, and 1F1B refuses the model).
     """
 
     pre: torch.fx.GraphModule
@@ -49,6 +53,7 @@ class StackedModel:
     post: torch.fx.GraphModule
     side_rows: tuple[bool, ...] = ()
     exported: ExportedForm | None = None
+    skip_rows: tuple[bool, ...] | None = ()
 
 
 def cut_for_stacking(module: nn.Module, partition: Partition, sample_input: Any = None,
@@ -109,7 +114,8 @@ def cut_for_stacking(module: nn.Module, partition: Partition, sample_input: Any 
     side_rows = _hold_equal_rows_once(pre, blocks, side_rows, sample_input)
     if sample_input is not None:
         _check_rows_stay_apart(pre, blocks[0], side_rows, sample_input)
-    return StackedModel(pre, blocks, post, side_rows, ExportedForm.of(traced, module))
+    skip_rows = _skip_rows(pre, 1 + len(sides), sample_input) if skips else ()
+    return StackedModel(pre, blocks, post, side_rows, ExportedForm.of(traced, module), skip_rows)
 
 
 def _block_interface(nodes: list[torch.fx.Node], segment_of: dict,
@@ -279,6 +285,19 @@ def _side_rows(pre: torch.fx.GraphModule, names: list[str], sample_input: Any) -
                              f"with a batch dim ({type(a).__name__}); use executor='devices'")
     check_sides_hold_whole_rows(names, once[1:count + 1], twice[1:count + 1], once[0].shape[0])
     return tuple(b.shape[0] == 2 * a.shape[0] for a, b in zip(once[1:count + 1], twice[1:count + 1]))
+
+
+def _skip_rows(pre: torch.fx.GraphModule, first: int, sample_input: Any) -> tuple[bool, ...] | None:
+    """Which of ``pre``'s outputs from ``first`` on (the skips) have a row per batch row:
+    those whose dim 0 doubles when the sample batch does (shapes only); None without a
+    sample."""
+    if sample_input is None:
+        return None
+    inputs = flat_inputs(sample_input)
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        once, twice = _on_fakes(pre, inputs, mode), _on_fakes(pre, _doubled(inputs), mode)
+    return tuple(isinstance(a, torch.Tensor) and a.dim() > 0 and b.shape[0] == 2 * a.shape[0]
+                 for a, b in zip(once[first:], twice[first:]))
 
 
 def _check_rows_stay_apart(pre: torch.fx.GraphModule, block: torch.fx.GraphModule, side_rows: tuple[bool, ...],

@@ -92,14 +92,20 @@ class ClockBody:
         modes = tuple(module.training for module in template.modules())  # dropout on or off
         key = (id(template), recomputed, packing, modes, ring)
         if key not in self._ticks:
-            if self.gather == "block":
-                stages = partial(self._run_gathered_slots, template, packing)
-            else:
-                run = partial(self._run_stages, template, packing)
-                stages = partial(_recomputed_stages, run) if recomputed else run
+            stages = self.stages(template, packing)
+            if recomputed and self.gather != "block":  # a gathered slot recomputes itself
+                stages = partial(_recomputed_stages, stages)
             axes = self.placement.axes
             self._ticks[key] = make_tick(axes.stage, self.placement.replicas, stages, ring)
         return self._ticks[key]
+
+    def stages(self, template: nn.Module, packing: Packing) -> Callable[..., torch.Tensor]:
+        """Every stage's block slots on every row group, ``(weights, valid, state, rounds,
+        keys) -> state``: the weights gathered for the step, or with ``gather="block"``
+        each slot's gathered from their resting shards right before it runs."""
+        if self.gather == "block":
+            return partial(self._run_gathered_slots, template, packing)
+        return partial(self._run_stages, template, packing)
 
     def _run_stages(self, template: nn.Module, packing: Packing, weights: tuple[torch.Tensor, ...],
                     valid: torch.Tensor, state: torch.Tensor, rounds: torch.Tensor, keys: torch.Tensor

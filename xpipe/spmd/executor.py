@@ -26,7 +26,8 @@ time.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from functools import partial
+from typing import Any, NamedTuple
 
 import torch
 import torch_xla.distributed.spmd as xs
@@ -40,10 +41,12 @@ from xpipe._batchnorm import RunningStatistics
 from xpipe.capture.stacking import StackedModel
 from xpipe.layout import spread
 from xpipe.recompute import first_kept_clock
+from xpipe.schedule import gpipe
 from xpipe.spmd.clock import ClockBody, SpmdOptions
 from xpipe.spmd.conveyor import SlotLayout, column_tables, from_slots, slot_layout, to_slots
 from xpipe.spmd.dropout import cell_keys
 from xpipe.spmd.lowering import ShardableOps
+from xpipe.spmd.one_f_one_b import Head, OneFOneBStep, check_even_rows, check_loss_fn
 from xpipe.spmd.ordering import fenced, read_after
 from xpipe.spmd.placement import Placement
 from xpipe.spmd.segmented_loss import LossOverSegments
@@ -53,7 +56,21 @@ from xpipe.spmd.stacked_weights import StackedWeights
 from xpipe.spmd.state_map import StateMap
 from xpipe.tensor.packed_projections import packed_parts
 
-SCHEDULES = ("gpipe", "circular")  # the schedules whose clock loop this executor runs
+SCHEDULES = ("gpipe", "circular", "1f1b")  # the schedules this executor runs
+# Those executor="auto" picks it for: 1F1B here asks for checkpoint="always" and pipe.step.
+AUTO_SCHEDULES = ("gpipe", "circular")
+
+
+class _Entry(NamedTuple):
+    """A step's batch as it enters the body: after the layers before it, in the slot buffer."""
+
+    layout: SlotLayout
+    microbatched: bool
+    packing: Packing
+    slots: torch.Tensor  # [S * P, R, rows, F]
+    constants: tuple[torch.Tensor, ...]  # the side inputs held whole
+    skips: tuple[torch.Tensor, ...]  # what the layers after the body read besides its output
+    outer: dict[nn.Module, dict[str, torch.Tensor]]  # the outer layers' weights, as the step holds them
 
 
 def padded_chunks(chunks: int, stages: int) -> int:
@@ -96,12 +113,15 @@ class SpmdPipeline(nn.Module):
         self.placement.place_outer([self.pre, self.post])
         self.loss_over_segments = LossOverSegments(self.placement)  # no device holds a sequence's logits for the loss
         self.side_rows = stacked.side_rows  # per side input: travels with its microbatch, or held whole
+        self.skip_rows = stacked.skip_rows  # per skip: split with the microbatches (1F1B), or held whole
         self.exported = stacked.exported
         self.block_count = len(stacked.blocks)
         if schedule.name not in SCHEDULES or schedule.stages != self.stages:
             raise ValueError(f"schedule: the spmd executor runs {' or '.join(SCHEDULES)} over the mesh's "
                              f"{self.stages} stages, not {schedule.name!r} over {schedule.stages}")
         self.schedule = schedule
+        # The forward-only loop pipe(x) runs (1F1B's inference is GPipe's forward).
+        self._forward_schedule = gpipe(self.stages, schedule.chunks) if schedule.name == "1f1b" else schedule
         self.virtual = schedule.virtual  # V: model stages per stage group, run round the ring (circular)
         self.per_stage = spread(self.block_count, self.stages * self.virtual)  # per model stage
         self.depth = max(self.per_stage)  # K: block slots per model stage
@@ -142,15 +162,37 @@ class SpmdPipeline(nn.Module):
 
     def forward(self, *inputs: torch.Tensor, microbatch_dim: int | None = None):
         """Run one step's forward; see :class:`xpipe.Pipe` for the contract."""
+        if self.schedule.name == "1f1b" and torch.is_grad_enabled():
+            raise ValueError("schedule: '1f1b' under the spmd executor runs each microbatch's backward inside the "
+                             "step, with the loss: train with pipe.step(inputs, target) (build the Pipe with "
+                             "loss_fn=...), and run pipe(x) under torch.no_grad()")
+        entry = self._entering(inputs, microbatch_dim)
+        layout, microbatched = entry.layout, entry.microbatched
+        slots, after = fenced(entry.slots, (entry.skips, entry.outer[self.post]))  # the loop starts when all before it is done
+        finished = self._run_clocks(self.placement.conveyed(slots), layout, entry.packing, entry.constants)
+        finished, (skips, post_weights) = fenced(finished, after)  # and what follows it starts when it ends
+        finished = self.placement.whole_rows(finished)
+        skips = read_after(skips, finished)  # what the layers after it reduce of the inputs too (labels)
+        finished = from_slots(entry.packing.stream(finished.reshape(layout.padded_batch, -1)), layout, microbatched)
+        with ShardableOps(), self.batch_norm.updating(), self.loss_over_segments:
+            output = functional_call(self.post, post_weights, (finished, *skips))
+        if self.exported is not None:
+            output = self.exported.folded(output)
+        check_outputs(output, layout.batch)
+        if not microbatched:
+            return output
+        with self.loss_over_segments:  # logits in the loader's layout still take pipe.step's loss a segment at a time
+            return tree_map(lambda y: _in_microbatches(y, self.chunks, microbatch_dim), output)
+
+    def _entering(self, inputs: tuple, microbatch_dim: int | None) -> _Entry:
+        """The layers before the body on the batch, and the slot buffer they fill."""
         self._check_flags_unchanged()
         self.state.check_whole()
         if self.exported is not None:
             self.exported.check_mode(self.training)
             self.exported.check_inputs(inputs, microbatch_dim)
-        device = self.body.weights[0].device
         microbatched = microbatch_dim is not None
-        natural = tree_map(lambda x: x.to(device) if not microbatched else
-                           x.to(device).movedim(microbatch_dim, 0).flatten(0, 1), inputs)
+        natural = tree_map(partial(self._batch_first, microbatch_dim=microbatch_dim), inputs)
         layout = slot_layout(tree_flatten(natural)[0][0].shape[0], self.chunks, self.stages, self.replicas)
         outer = self.placement.gathered_outer([self.pre, self.post])
         with ShardableOps(), self.batch_norm.updating():
@@ -164,34 +206,52 @@ class SpmdPipeline(nn.Module):
         slots = to_slots(self.placement.whole_rows(packing.pack([stream, *per_row])), layout, microbatched)
         # Features flattened: torch_xla shards tensors of at most 5 dims.
         slots = slots.reshape(self.stages * self.replicas, layout.slots, layout.rows, -1)
-        slots, after = fenced(slots, (skips, outer[self.post]))  # the loop starts when all before it is done
-        finished = self._run_clocks(self.placement.conveyed(slots), layout, packing, constants)
-        finished, (skips, post_weights) = fenced(finished, after)  # and what follows it starts when it ends
-        finished = self.placement.whole_rows(finished)
-        skips = read_after(skips, finished)  # what the layers after it reduce of the inputs too (labels)
-        finished = from_slots(packing.stream(finished.reshape(layout.padded_batch, -1)), layout, microbatched)
-        with ShardableOps(), self.batch_norm.updating(), self.loss_over_segments:
-            output = functional_call(self.post, post_weights, (finished, *skips))
-        if self.exported is not None:
-            output = self.exported.folded(output)
-        check_outputs(output, layout.batch)
-        if not microbatched:
-            return output
-        with self.loss_over_segments:  # logits in the loader's layout still take pipe.step's loss a segment at a time
-            return tree_map(lambda y: _in_microbatches(y, self.chunks, microbatch_dim), output)
+        return _Entry(layout, microbatched, packing, slots, constants, tuple(skips), outer)
+
+    def _batch_first(self, x: torch.Tensor, microbatch_dim: int | None) -> torch.Tensor:
+        """``x`` on the device, batch-first (a loader's microbatches one after the other)."""
+        x = x.to(self.body.weights[0].device)
+        return x if microbatch_dim is None else x.movedim(microbatch_dim, 0).flatten(0, 1)
 
     def step(self, inputs: tuple, target: Any, loss_fn: Callable[[Any, Any], torch.Tensor],
              microbatch_dim: int | None) -> torch.Tensor:
         """``pipe.step``: the forward, ``loss_fn`` of the whole batch's output (a language
-        model's cross-entropy a segment of the logits at a time), and its backward."""
-        output = self(*inputs, microbatch_dim=microbatch_dim)
-        device = self.body.weights[0].device
-        with self.loss_over_segments:
-            loss = loss_fn(output, tree_map(lambda t: t.to(device), target))
-        if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
-            raise ValueError("loss_fn: must return a scalar tensor")
+        model's cross-entropy a segment of the logits at a time), and its backward; under
+        1F1B, each microbatch's loss and backward inside the clock loops."""
+        if self.schedule.name == "1f1b":
+            loss = self._one_f_one_b_loss(inputs, target, loss_fn, microbatch_dim)
+        else:
+            output = self(*inputs, microbatch_dim=microbatch_dim)
+            device = self.body.weights[0].device
+            with self.loss_over_segments:
+                loss = loss_fn(output, tree_map(lambda t: t.to(device), target))
+            if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+                raise ValueError("loss_fn: must return a scalar tensor")
         loss.backward()
         return loss.detach()
+
+    def _one_f_one_b_loss(self, inputs: tuple, target: Any, loss_fn: Callable[[Any, Any], torch.Tensor],
+                          microbatch_dim: int | None) -> torch.Tensor:
+        """The step's loss under 1F1B (:mod:`xpipe.spmd.one_f_one_b`), whose backward
+        gives every gradient."""
+        check_loss_fn(loss_fn)
+        entry = self._entering(inputs, microbatch_dim)
+        check_even_rows(entry.layout)
+        if entry.skips and self.skip_rows is None:
+            raise ValueError("sample_input: schedule='1f1b' under the spmd executor runs the layers after the body "
+                             "on each microbatch, and they read tensors made before the body; pass sample_input=<a "
+                             "batch as the model takes it> to Pipe so that xpipe can tell which have a row per batch "
+                             "row")
+        slots, (skips, post_weights) = fenced(entry.slots, (entry.skips, entry.outer[self.post]))
+        fold = self.exported.folded if self.exported is not None else _unchanged
+        head = Head(self.post, loss_fn, fold, self.skip_rows or ())
+        runner = OneFOneBStep(self.placement, self._clock.stages(self._templates[self.training], entry.packing),
+                              head, entry.packing)
+        batch_first = partial(self._batch_first, microbatch_dim=microbatch_dim)
+        return runner.loss(self.placement.conveyed(slots), target, skips, entry.layout, entry.microbatched,
+                           self._step_seed(slots.device), self._clock_weights(entry.constants),
+                           self._valid_mask(slots), post_weights,
+                           lambda t: to_slots(batch_first(t), entry.layout, entry.microbatched))
 
     def _check_flags_unchanged(self) -> None:
         """``requires_grad`` of a block weight is read once, when the body is stacked."""
@@ -205,7 +265,7 @@ class SpmdPipeline(nn.Module):
 
     def _run_clocks(self, slots: torch.Tensor, layout: SlotLayout, packing: Packing,
                     constants: tuple[torch.Tensor, ...]) -> torch.Tensor:
-        tables = column_tables(self.schedule, layout)
+        tables = column_tables(self._forward_schedule, layout)
         reads, writes, from_ring = (torch.tensor(t, device=slots.device, dtype=slots.dtype)
                                     for t in (tables.reads, tables.writes, tables.from_ring))
         rounds = torch.nn.functional.one_hot(torch.tensor(tables.rounds), self.virtual)  # [T, S, V]
@@ -213,14 +273,8 @@ class SpmdPipeline(nn.Module):
         clocks = torch.arange(len(reads), dtype=torch.int32, device=slots.device)
         keys = cell_keys(self._step_seed(slots.device), clocks, self.stages, self.replicas)
         state = self.placement.conveyed(slots[:, 0].clone())  # idle cells run real rows (see conveyor)
-        valid = self._valid_mask(slots)
-        place = self.placement.resting_body if self.gather == "block" else self.placement.gathered_body
-        weights = tuple(place(w, split=dim is not None)
-                        for w, dim in zip(self.body.step_weights(self.placement.axes.tensor), self.body.dims))
-        weights += tuple(self.placement.per_device(_differentiable(c)) for c in constants)  # they ride along
-        weights += tuple(self.placement.per_device(carried) for carried in self._carried_constants)
-        carry = (state, slots, valid, weights)
-        plain_from = first_kept_clock(self.schedule, self.checkpoint)
+        carry = (state, slots, self._valid_mask(slots), self._clock_weights(constants))
+        plain_from = first_kept_clock(self._forward_schedule, self.checkpoint)
         ring = bool(tables.from_ring.any())
         for start, end, recomputed in ((0, plain_from, True), (plain_from, len(reads), False)):
             if end > start:
@@ -229,6 +283,16 @@ class SpmdPipeline(nn.Module):
                 tick = self._clock.tick(self._templates[self.training], recomputed, packing, ring)
                 carry, _ = scan(tick, carry, columns, is_fn_pure=True)
         return carry[1]
+
+    def _clock_weights(self, constants: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        """What the clock loop carries for the blocks: their stacked weights, gathered for
+        the step or at rest (``gather``), then the constant side inputs and the blocks' own
+        constants, a copy for every row group."""
+        place = self.placement.resting_body if self.gather == "block" else self.placement.gathered_body
+        weights = tuple(place(w, split=dim is not None)
+                        for w, dim in zip(self.body.step_weights(self.placement.axes.tensor), self.body.dims))
+        weights += tuple(self.placement.per_device(_differentiable(c)) for c in constants)  # they ride along
+        return weights + tuple(self.placement.per_device(carried) for carried in self._carried_constants)
 
     def _step_seed(self, device: torch.device) -> torch.Tensor:
         """A seed for this step's dropout masks, from torch's default generator
@@ -249,6 +313,10 @@ def _in_microbatches(y: torch.Tensor, chunks: int, microbatch_dim: int) -> torch
     """``[chunks * b, ...]`` as ``chunks`` microbatches along ``microbatch_dim``."""
     y = y.unflatten(0, (chunks, -1))
     return y if microbatch_dim == 0 else y.movedim(0, microbatch_dim)
+
+
+def _unchanged(value: Any) -> Any:
+    return value
 
 
 def _as_tuple(value) -> tuple:

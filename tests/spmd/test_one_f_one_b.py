@@ -1,0 +1,209 @@
+"""1F1B inside the one SPMD program (``xpipe.spmd.one_f_one_b``).
+
+Each step runs three XLA while loops (``S - 1`` clocks of forwards, ``M`` of a
+forward and a backward, ``S - 1`` of backwards), each microbatch's loss and
+backward in the clock its forward leaves the last stage. Checked here against the
+model unpipelined on the CPU (loss and every gradient at ``equivalence``'s rtol
+1e-4, the loss after AdamW steps), against GPipe under the same mesh (dropout's
+masks), and from the compiled program: the loops' trip counts, what crosses
+stages per clock, and XLA's peak as ``chunks`` grows.
+"""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+import torch_xla
+import torch_xla.core.xla_model as xm
+import torch_xla.distributed.spmd as xs
+
+import xpipe
+import xpipe.inspect
+
+DUMP = xpipe.inspect.enable_hlo_dump()  # before any XLA tensor: XLA reads its flags once
+
+from equivalence import ATOL, RTOL, compiled, host_gradients  # noqa: E402
+from hf_models import assert_gradients_match, gpt2, llama, tokens  # noqa: E402
+from pipe_checks import batch_for, tiny_lm  # noqa: E402
+from tiers import in_full_tier  # noqa: E402
+from xpipe.models import transformer_lm  # noqa: E402
+
+STAGES, DATA = 4, 2
+
+
+def lm_loss(output, target: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy over every token of a language model's logits (or of a Hugging
+    Face output's), saying how it reduces, as 1F1B under SPMD asks."""
+    logits = output if isinstance(output, torch.Tensor) else output.logits
+    return F.cross_entropy(logits.flatten(0, 1), target.flatten())
+
+
+lm_loss.reduction, lm_loss.ignore_index = "mean", -100
+
+
+def one_f_one_b(model, chunks: int, mesh=None, **options) -> xpipe.Pipe:
+    return xpipe.Pipe(model, chunks=chunks, mesh=mesh or xpipe.make_mesh(STAGES, DATA), schedule="1f1b",
+                      checkpoint="always", loss_fn=lm_loss, **options)
+
+
+def test_steps_equal_the_plain_models_and_compile_once():
+    """4 stages x 2 data, 8 microbatches: the loss and every gradient of a step, the
+    loss after each of two AdamW steps, and one program for all three steps."""
+    model = tiny_lm()
+    reference = copy.deepcopy(model)
+    pipe = one_f_one_b(model, chunks=8)
+    batch, targets = batch_for(model, 16)
+    optimizer = torch.optim.AdamW(pipe.parameters(), lr=1e-2)
+    reference_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    losses, compiles = [], []
+    for step in range(3):
+        losses.append(pipe.step(batch, targets))
+        expected = lm_loss(reference(batch), targets)
+        expected.backward()
+        torch_xla.sync()
+        torch.testing.assert_close(losses[-1].cpu(), expected.detach(), rtol=RTOL, atol=ATOL)
+        if step == 0:
+            assert_gradients_match(pipe, reference)
+        for each in (optimizer, reference_optimizer):
+            each.step()
+            each.zero_grad()
+        torch_xla.sync()
+        compiles.append(compiled())
+    assert compiles[2] == compiles[1], "the second and third steps run one program"
+
+
+@pytest.mark.parametrize("mesh, chunks, microbatched, gather", [
+    in_full_tier((2, 1, 4), 4, False, "step"),  # stages x data x fsdp
+    in_full_tier((2, 1, 4), 4, False, "block"),
+    in_full_tier((2, 2, 2), 8, True, "step"),  # the loader's [chunks, rows, ...] layout
+    in_full_tier((4, 2, 1), 1, False, "step"),  # one microbatch, padded to one a stage
+    in_full_tier((8, 1, 1), 16, False, "step"),
+])
+def test_every_mesh_the_step_takes(mesh, chunks, microbatched, gather):
+    stages, data, fsdp = mesh
+    model = tiny_lm()
+    reference = copy.deepcopy(model)
+    batch, targets = batch_for(model, chunks * data * fsdp * 2)
+    pipe = one_f_one_b(model, chunks, xpipe.make_mesh(stages, data, fsdp=fsdp), gather=gather)
+    assert_same_step(pipe, reference, batch, targets, microbatches=chunks if microbatched else None)
+
+
+def assert_same_step(pipe: xpipe.Pipe, reference: torch.nn.Module, inputs, targets: torch.Tensor,
+                     microbatches: int | None = None) -> None:
+    """One ``pipe.step`` gives the plain model's loss and gradients; with ``microbatches``
+    the batch and targets go in as a loader gives them, ``[chunks, rows, ...]``."""
+    expected = lm_loss(reference(**inputs) if isinstance(inputs, dict) else reference(inputs), targets)
+    expected.backward()
+    if microbatches is None:
+        loss = pipe.step(inputs, targets)
+    else:
+        loss = pipe.step(inputs.unflatten(0, (microbatches, -1)), targets.unflatten(0, (microbatches, -1)),
+                         microbatch_dim=0)
+    torch_xla.sync()
+    torch.testing.assert_close(loss.cpu(), expected.detach(), rtol=RTOL, atol=ATOL)
+    assert_gradients_match(pipe, reference)
+
+
+@pytest.mark.full
+def test_a_hugging_face_llama_whose_head_reads_the_embedding_from_before_the_body():
+    """Llama's tied head reads the embedding's weight, which torch.export passes from the
+    layers before the body to those after it: held whole by every stage, its gradient
+    added up across the clocks."""
+    model = llama(layers=8)
+    reference = copy.deepcopy(model)
+    ids = tokens(16, seq=16)
+    pipe = one_f_one_b(model, chunks=8, sample_input={"input_ids": ids[:2]})
+    assert pipe.runner.skip_rows == (False,)  # the embedding's weight
+    assert_same_step(pipe, reference, {"input_ids": ids}, ids)
+
+
+@pytest.mark.full
+def test_dropout_draws_gpipes_masks():
+    """The same seeds, the same masks: a 1F1B step's gradients are GPipe's on the same mesh
+    (its backward recomputes a stage with the masks of that stage's forward). GPT-2 with
+    every dropout probability 0.2."""
+    ids = tokens(16, seq=16)
+    gradients = {}
+    for schedule in ("gpipe", "1f1b"):
+        pipe = xpipe.Pipe(gpt2(layers=4, dropout=0.2), chunks=8, mesh=xpipe.make_mesh(STAGES, DATA),
+                          schedule=schedule, checkpoint="always", loss_fn=lm_loss, sample_input={"input_ids": ids[:2]})
+        torch.manual_seed(5)  # the clock loops' masks
+        xm.set_rng_state(5)  # the embedding's, drawn by XLA before the body
+        pipe.step({"input_ids": ids}, ids)
+        torch_xla.sync()
+        gradients[schedule] = host_gradients(pipe)
+    for name, gradient in gradients["gpipe"].items():
+        torch.testing.assert_close(gradients["1f1b"][name], gradient, rtol=RTOL, atol=ATOL,
+                                   msg=lambda m, name=name: f"gradient of {name}: {m}")
+    assert any(gradient.abs().sum() > 0 for gradient in gradients["1f1b"].values())
+
+
+def audited(schedule: str, chunks: int) -> xpipe.inspect.CommunicationReport:
+    """One step of a model whose activations dominate a stage's input (4 blocks a stage,
+    128 tokens, 4 heads of width 16: attention's scores are 8 times the stream), two
+    rows a device per microbatch, the batch already sharded as a loader gives it."""
+    model = transformer_lm(blocks=16, width=64, heads=4, seq=128, vocab=64)
+    pipe = xpipe.Pipe(model, chunks=chunks, mesh=xpipe.make_mesh(STAGES, DATA), schedule=schedule,
+                      checkpoint="always", loss_fn=lm_loss)
+    ids = torch.randint(0, 64, (chunks * DATA * 2, 128), generator=torch.Generator().manual_seed(0))
+    ids = ids.to(torch_xla.device())
+    xs.mark_sharding(ids, pipe.mesh, (pipe.runner.placement.batch_axes, None))
+    return xpipe.inspect.audit(lambda: pipe.step(ids, ids), mesh=pipe.mesh)
+
+
+@pytest.fixture(scope="module")
+def reports():
+    return {(schedule, chunks): audited(schedule, chunks) for schedule, chunks in
+            (("1f1b", 8), ("1f1b", 32), ("gpipe", 32))}
+
+
+def test_three_loops_and_one_permute_each_way_a_clock(reports):
+    """Trip counts S - 1, M, S - 1; in each clock one collective-permute up the stages
+    (the forward stream with the gradients' column) and one down (the backward stream
+    with the inputs' column), and nothing else; outside the loops, collectives that do
+    not grow with ``chunks`` (the gradients' reductions, the targets gathered to every
+    stage, one flip of the gradients' buffer)."""
+    for chunks in (8, 32):
+        report = reports["1f1b", chunks]
+        loops = report.loops()
+        assert [body.trips for body in loops] == [STAGES - 1, chunks, STAGES - 1], report
+        for body in loops:
+            assert body.count("collective-permute") == 2, report
+            assert {abs(target - source) for op in body.of("collective-permute")
+                    for source, target in op.groups} == {DATA}
+            assert sum(body.count(kind) for kind in xpipe.inspect.KINDS) == 2, report
+    outside = [{kind: reports["1f1b", chunks].count(kind, in_loop=False) for kind in xpipe.inspect.KINDS}
+               for chunks in (8, 32)]
+    assert outside[0] == outside[1]
+    assert outside[0]["all-to-all"] == 0
+
+
+def test_the_peak_stays_as_chunks_grow_where_gpipes_does_not(reports):
+    """From 8 to 32 microbatches of fixed rows 1F1B's peak grows by what the batch itself
+    adds (the slot buffer, the targets: under 5% on this model); GPipe's keeps every
+    microbatch's stage input, and at 32 1F1B holds at most 0.6 of it."""
+    eight, thirty_two, gpipe = (reports[key].peak_bytes for key in (("1f1b", 8), ("1f1b", 32), ("gpipe", 32)))
+    assert thirty_two < 1.05 * eight, (eight, thirty_two)
+    assert thirty_two <= 0.6 * gpipe, (thirty_two, gpipe)
+
+
+def test_what_it_does_not_run_yet_is_refused_by_name():
+    mesh = xpipe.make_mesh(STAGES, DATA)
+    with pytest.raises(ValueError, match="checkpoint: schedule='1f1b' under the spmd executor recomputes"):
+        xpipe.Pipe(tiny_lm(), chunks=8, mesh=mesh, schedule="1f1b")
+    with pytest.raises(ValueError, match="mesh: schedule='1f1b' under the spmd executor runs on meshes without"):
+        xpipe.Pipe(tiny_lm(), chunks=8, mesh=xpipe.make_mesh(2, fsdp=2, tensor=2), schedule="1f1b",
+                   checkpoint="always")
+    pipe = one_f_one_b(tiny_lm(), chunks=8)
+    batch, targets = batch_for(tiny_lm(), 16)
+    with pytest.raises(ValueError, match=r"schedule: '1f1b' under the spmd executor .* pipe.step"):
+        pipe(batch)
+    with torch.no_grad():
+        assert pipe(batch).shape == (16, 8, 32)  # inference runs GPipe's forward
+    with pytest.raises(ValueError, match="batch: schedule='1f1b' under the spmd executor needs a batch that splits"):
+        pipe.step(batch[:15], targets[:15])
+    unsaid = xpipe.Pipe(tiny_lm(), chunks=8, mesh=mesh, schedule="1f1b", checkpoint="always",
+                        loss_fn=lambda output, target: F.cross_entropy(output.flatten(0, 1), target.flatten()))
+    with pytest.raises(ValueError, match="loss_fn: schedule='1f1b' under the spmd executor .* must say how it reduces"):
+        unsaid.step(batch, targets)

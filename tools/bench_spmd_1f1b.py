@@ -1,0 +1,88 @@
+"""1F1B against GPipe under the spmd executor: step time, compute and XLA's peak.
+
+    python tools/bench_spmd_1f1b.py                 # chunks 8 and 32
+    python tools/bench_spmd_1f1b.py --chunks 16
+
+On the 4 (stage) x 2 (data) mesh of 8 emulated devices, xpipe's transformer LM of
+16 blocks (width 64, 4 heads, 128 tokens, vocabulary 64; 4 blocks a stage), two rows
+a device per microbatch, the batch sharded as a loader gives it, ``pipe.step`` with
+``checkpoint="always"`` (all 1F1B runs). For each schedule and chunk count it prints
+the median of 5 steps after the first, the matrix products' floating-point
+operations on one device (``xpipe.inspect.matmul_flops``: the optimized program's
+dots, each loop body's times its trip count) and XLA's peak per device, then each
+1F1B figure over GPipe's. The emulated devices share this machine's cores, so a
+step's time measures its total work.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+os.environ.setdefault("PJRT_DEVICE", "CPU")
+os.environ.setdefault("CPU_NUM_DEVICES", "8")
+
+import xpipe  # noqa: E402
+import xpipe.inspect  # noqa: E402
+
+DUMP = xpipe.inspect.enable_hlo_dump()  # before the XLA runtime starts
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+import torch_xla  # noqa: E402
+import torch_xla.distributed.spmd as xs  # noqa: E402
+
+from xpipe._xla import wait_device_ops  # noqa: E402
+from xpipe.models import transformer_lm  # noqa: E402
+
+STAGES, DATA, ROWS, SEQ, VOCAB = 4, 2, 2, 128, 64
+
+
+def lm_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1), target.flatten())
+
+
+lm_loss.reduction, lm_loss.ignore_index = "mean", -100
+
+
+def measure(schedule: str, chunks: int, steps: int) -> tuple[float, int, int]:
+    """(median step seconds, matmul FLOPs on one device, XLA's peak bytes per device)."""
+    model = transformer_lm(blocks=16, width=64, heads=4, seq=SEQ, vocab=VOCAB)
+    pipe = xpipe.Pipe(model, chunks=chunks, mesh=xpipe.make_mesh(STAGES, DATA), schedule=schedule,
+                      checkpoint="always", loss_fn=lm_loss)
+    ids = torch.randint(0, VOCAB, (chunks * DATA * ROWS, SEQ), generator=torch.Generator().manual_seed(0))
+    ids = ids.to(torch_xla.device())
+    xs.mark_sharding(ids, pipe.mesh, (pipe.runner.placement.batch_axes, None))
+    report = xpipe.inspect.audit(lambda: pipe.step(ids, ids), mesh=pipe.mesh)
+    times = []
+    for _ in range(steps):
+        pipe.zero_grad(set_to_none=True)  # each step the audited program: no gradient added to the last one's
+        start = time.perf_counter()
+        pipe.step(ids, ids)
+        torch_xla.sync()  # the loss and every gradient
+        wait_device_ops()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times), report.matmul_flops, report.peak_bytes
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--chunks", type=int, action="append", help="microbatches a step (8 and 32 by default)")
+    parser.add_argument("--steps", type=int, default=5, help="timed steps after the first (median)")
+    args = parser.parse_args()
+    print("| schedule | chunks | step s | matmul GFLOP / device | peak MiB / device | "
+          "1f1b / gpipe: time | FLOPs | peak |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    for chunks in args.chunks or (8, 32):
+        figures = {schedule: measure(schedule, chunks, args.steps) for schedule in ("gpipe", "1f1b")}
+        for schedule, (seconds, flops, peak) in figures.items():
+            ratios = " | |" if schedule == "gpipe" else "".join(
+                f" {mine / theirs:.2f} |" for mine, theirs in zip(figures["1f1b"], figures["gpipe"]))
+            print(f"| {schedule} | {chunks} | {seconds:.3f} | {flops / 1e9:.2f} | {peak / 2**20:.2f} |{ratios}",
+                  flush=True)
+
+
+if __name__ == "__main__":
+    main()

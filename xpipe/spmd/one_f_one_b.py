@@ -1,0 +1,431 @@
+"""1F1B inside the one SPMD program: each microbatch's backward runs in the clock
+loop, as soon as its forward has left the last stage.
+
+In lockstep, stage ``s`` runs the forward of the ``i``-th microbatch to enter the
+pipeline at clock ``i + s`` and its backward at clock ``i + 2S - 2 - s``: the last
+stage runs the layers after the body, the loss and the backward right after the
+forward. Forwards fall in clocks ``0 .. M+S-2`` and backwards in ``S-1 .. M+2S-3``,
+so the step is three XLA while loops: ``S - 1`` clocks of forwards, ``M`` of both,
+``S - 1`` of backwards. That is ``(M + S - 1)`` clocks of a forward and a backward,
+GPipe's compute and bubble, where one loop of clocks that all run both would cost
+``(M + 2S - 2) / (M + S - 1)`` of it.
+
+Stage ``s`` keeps a microbatch's stage input from its forward to its backward,
+``2(S - 1 - s) + 1`` clocks: a ring of ``2S - 1`` stashed inputs per device, whatever
+``M`` is (GPipe keeps ``M``). The backward recomputes the stage's forward from its
+stashed input (``checkpoint="always"``) and takes its vector-Jacobian product in
+the loop body; the weight gradients add up in the loop's carry, and are reduced
+over each stage's devices once, after the loops, by the backward of the gather
+that gave every device its stage's weights.
+
+Every device runs the same program: in the steady loop each runs a forward, the
+layers after the body with the loss (whose results count on the last stage only)
+and a backward. The layers after the body so run on every stage's rows each
+clock, ``S`` times their work in GPipe, where they run once on the whole batch.
+
+How microbatches move: stage 0 reads them from the slot buffer as GPipe's
+conveyor does (:mod:`xpipe.spmd.conveyor`), the ``i``-th to enter from slot
+``i // S`` of stage ``i % S``; the gradient of a stage input leaves stage 0 into a
+second buffer whose column climbs one stage a clock, and comes to rest in stage
+``S - 1 - i % S``, which one flip of the stage axis after the loops puts back
+where the input came from.
+
+The loss and every gradient are made in the forward of the step's autograd
+function (:class:`_Step`), the gradients for a loss gradient of one; its backward
+scales them by the loss's actual gradient.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from torch.func import functional_call
+from torch.utils._pytree import tree_flatten
+
+from xpipe._xla import while_loop
+from xpipe.collectives import shift
+from xpipe.reduction import declared, loss_fn_items_each
+from xpipe.spmd.conveyor import SlotLayout
+from xpipe.spmd.dropout import cell_keys
+from xpipe.spmd.lowering import ShardableOps
+from xpipe.spmd.placement import Placement
+from xpipe.spmd.sides import Packing
+
+
+@dataclass(frozen=True)
+class Phases:
+    """The three clock loops of a 1F1B step: ``[start, end)`` clock spans."""
+
+    warmup: tuple[int, int]  # forwards only: S - 1 clocks
+    steady: tuple[int, int]  # a forward and a backward: M clocks
+    cooldown: tuple[int, int]  # backwards only: S - 1 clocks
+
+
+def phases(stages: int, chunks: int) -> Phases:
+    """The loops' spans for ``chunks`` microbatches on ``stages`` stages."""
+    return Phases((0, stages - 1), (stages - 1, chunks + stages - 1), (chunks + stages - 1, chunks + 2 * stages - 2))
+
+
+@dataclass(frozen=True)
+class OneFOneBTables:
+    """Per clock ``t`` of the ``T = M + 2S - 2`` clocks of a step, what each stage does.
+
+    Attributes:
+        reads: ``[T, R]`` one-hot: the slot buffer's column stage 0 reads (none once all have entered).
+        gradient_writes: ``[T, R]`` one-hot: the column of the gradient buffer stage 0 writes.
+        forwards: ``[T, S]`` 1 where the stage runs a microbatch's forward.
+        backwards: ``[T, S]`` 1 where the stage runs a microbatch's backward.
+        stash_writes: ``[T, S, W]`` one-hot: the ring slot the stage's input is stashed in.
+        stash_reads: ``[T, S, W]`` one-hot: the ring slot its backward reads.
+        backward_clocks: ``[T, S]`` the clock of the forward the stage's backward recomputes
+            (its dropout masks are that clock's).
+    """
+
+    reads: np.ndarray
+    gradient_writes: np.ndarray
+    forwards: np.ndarray
+    backwards: np.ndarray
+    stash_writes: np.ndarray
+    stash_reads: np.ndarray
+    backward_clocks: np.ndarray
+
+    @property
+    def chunks(self) -> int:
+        """``M``: microbatches the step runs."""
+        clocks, stages = self.forwards.shape
+        return clocks - 2 * stages + 2
+
+
+def ring_slots(stages: int) -> int:
+    """Stage inputs a device keeps at once: stage 0 keeps one from its forward until its
+    backward ``2S - 2`` clocks later."""
+    return 2 * stages - 1
+
+
+def one_f_one_b_tables(stages: int, chunks: int, slots: int) -> OneFOneBTables:
+    """The tables for ``chunks`` microbatches (a multiple of ``stages``, ``slots`` of them
+    a stage) on ``stages`` stages."""
+    clocks, width = chunks + 2 * stages - 2, ring_slots(stages)
+    tables = OneFOneBTables(np.zeros((clocks, slots), np.float32), np.zeros((clocks, slots), np.float32),
+                            np.zeros((clocks, stages), np.float32), np.zeros((clocks, stages), np.float32),
+                            np.zeros((clocks, stages, width), np.float32), np.zeros((clocks, stages, width), np.float32),
+                            np.zeros((clocks, stages), np.int64))
+    for clock in range(clocks):
+        if clock < chunks:
+            tables.reads[clock, clock // stages] = 1
+        emerged = clock - (2 * stages - 2)  # the microbatch whose gradient leaves stage 0
+        if 0 <= emerged < chunks:
+            tables.gradient_writes[clock, emerged // stages] = 1
+        for stage in range(stages):
+            forward, backward = clock - stage, clock - (2 * stages - 2 - stage)
+            if 0 <= forward < chunks:
+                tables.forwards[clock, stage] = 1
+                tables.stash_writes[clock, stage, forward % width] = 1
+            if 0 <= backward < chunks:
+                tables.backwards[clock, stage] = 1
+                tables.stash_reads[clock, stage, backward % width] = 1
+            tables.backward_clocks[clock, stage] = min(max(backward + stage, 0), clocks - 1)
+    return tables
+
+
+def check_loss_fn(loss_fn: Callable[..., Any]) -> None:
+    """1F1B takes each microbatch's loss in the clock loop, weighted by its share of what
+    ``loss_fn`` averages over; it must say how it reduces (no whole-batch check can run)."""
+    if declared(loss_fn) is None:
+        raise ValueError(
+            "loss_fn: schedule='1f1b' under the spmd executor takes each microbatch's loss inside the clock loop and "
+            "weighs it by its share of what loss_fn averages over, so loss_fn must say how it reduces: pass a torch "
+            "loss (e.g. nn.CrossEntropyLoss()), or give your function `reduction` ('mean' or 'sum') and, for "
+            "ignored integer targets, `ignore_index` attributes")
+
+
+@dataclass(frozen=True)
+class Head:
+    """What runs on a microbatch as it leaves the last stage: the layers after the
+    body, on its stream and the skips (each with a row per batch row, per
+    ``skip_rows``, or held whole), then the loss of what the model returns
+    (``fold`` of their output) and the target."""
+
+    post: torch.nn.Module
+    loss_fn: Callable[..., torch.Tensor]
+    fold: Callable[[Any], Any]
+    skip_rows: tuple[bool, ...]
+
+
+class OneFOneBStep:
+    """One ``pipe.step`` of 1F1B over the stacked stages.
+
+    Args:
+        placement: where each tensor lives on the mesh.
+        run_stages: every stage's blocks on every row group, ``(weights, valid, state,
+            rounds, keys) -> state`` (:meth:`xpipe.spmd.clock.ClockBody.stages`).
+        head: the layers after the body and the loss.
+        packing: how the stream and the per-row side inputs share the conveyor's features.
+    """
+
+    def __init__(self, placement: Placement, run_stages: Callable[..., torch.Tensor], head: Head,
+                 packing: Packing) -> None:
+        self.placement, self.run_stages, self.head_, self.packing = placement, run_stages, head, packing
+        self.stages, self.replicas = placement.axes.stage, placement.replicas
+
+    def loss(self, slots: torch.Tensor, target: Any, skips: tuple[torch.Tensor, ...], layout: SlotLayout,
+             microbatched: bool, seed: torch.Tensor, weights: tuple[torch.Tensor, ...], valid: torch.Tensor,
+             post_weights: dict[str, torch.Tensor], to_slots: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """The step's loss, whose backward gives every gradient.
+
+        ``slots`` is the slot buffer ``[S * P, R, rows, F]``; ``target`` the user's
+        target and ``skips`` the model's, batch-first; ``weights`` what the clock loop
+        carries for the blocks; ``to_slots`` puts a batch-first tensor in the slot order,
+        as the inputs went.
+        """
+        tables = one_f_one_b_tables(self.stages, layout.padded_chunks, layout.slots)
+        leaves, _ = tree_flatten(target)
+        if len(leaves) != 1 or not isinstance(leaves[0], torch.Tensor):
+            raise ValueError("target: schedule='1f1b' under the spmd executor takes one target tensor")
+        by_entry = self._by_entry(to_slots(leaves[0]), layout)
+        shares = self._shares(by_entry, layout, microbatched)
+        rows = tuple(skip for skip, has_rows in zip(skips, self.head_.skip_rows) if has_rows)
+        if any(skip.requires_grad for skip in rows):
+            raise ValueError("module: the layers after the body read a tensor with a row per batch row, made before "
+                             "the body from the weights; schedule='1f1b' under the spmd executor takes the gradient "
+                             "of none such; use schedule='gpipe'")
+        columns = tuple(self._by_steady_clock(self._by_entry(to_slots(skip), layout)) for skip in (leaves[0], *rows))
+        shares = self._by_steady_clock(shares, on_last_only=True)
+        held = (*post_weights.values(), *(skip for skip, has_rows in zip(skips, self.head_.skip_rows) if not has_rows))
+        return _Step.apply(self, tables, tuple(post_weights), seed, slots, valid, columns, shares, len(weights),
+                           *weights, *held)
+
+    def _by_entry(self, grid: torch.Tensor, layout: SlotLayout) -> torch.Tensor:
+        """``[S * P * R * rows, ...]`` in slot order -> ``[M, P, rows, ...]`` in the order
+        the microbatches enter the pipeline: the ``i``-th from slot ``i // S`` of stage
+        ``i % S`` (the conveyor's reads)."""
+        grid = grid.reshape(self.stages, self.replicas, layout.slots, layout.rows, *grid.shape[1:])
+        return grid.movedim(2, 0).flatten(0, 1)
+
+    def _shares(self, targets: torch.Tensor, layout: SlotLayout, microbatched: bool) -> torch.Tensor:
+        """``[M, P]``: each row group's share of the step's loss, per microbatch (0 for padding)."""
+        real = _real_pieces(layout, microbatched)  # [S, P, R]
+        real = torch.tensor(real.transpose(2, 0, 1).reshape(-1, self.replicas), dtype=torch.float32,
+                            device=targets.device)
+        if declared(self.head_.loss_fn).reduction != "mean":
+            return real
+        counts = loss_fn_items_each(self.head_.loss_fn, targets, 2) * real
+        return counts / counts.sum()
+
+    def _by_steady_clock(self, by_entry: torch.Tensor, on_last_only: bool = False) -> torch.Tensor:
+        """``[M, P, ...] -> [M, S * P, ...]``: per clock of the steady loop, the microbatch
+        leaving the last stage (the ``k``-th clock's is the ``k``-th to have entered), on
+        every stage's devices (the others' losses are dropped), or with ``on_last_only``
+        on the last stage's alone and zeros elsewhere."""
+        spread = by_entry.unsqueeze(1).expand(-1, self.stages, *by_entry.shape[1:])
+        if on_last_only:
+            stage = torch.arange(self.stages, device=by_entry.device).view(1, -1, *[1] * (by_entry.dim() - 1))
+            spread = torch.where(stage == self.stages - 1, spread, torch.zeros_like(spread))
+        spread = spread.flatten(1, 2)
+        return self.placement.annotated(spread, (None, self.placement.batch_axes, *[None] * (spread.dim() - 2)))
+
+    def run(self, tables: OneFOneBTables, names: tuple[str, ...], seed: torch.Tensor, slots: torch.Tensor,
+            valid: torch.Tensor, columns: tuple[torch.Tensor, ...], shares: torch.Tensor,
+            weights: tuple[torch.Tensor, ...], held: tuple[torch.Tensor, ...]
+            ) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
+        """The three loops: the step's loss, and the gradients of the slot buffer, the
+        blocks' weights and what the layers after the body hold whole (their weights
+        ``names``, then the whole skips), for a loss gradient of one."""
+        device, replicas = slots.device, self.replicas
+        clocks = len(tables.reads)
+
+        def per_device(table: np.ndarray) -> torch.Tensor:  # [T, S, ...] -> [T, S * P, ...]
+            return torch.as_tensor(table, dtype=slots.dtype).repeat_interleave(replicas, 1).to(device)
+
+        keys = cell_keys(seed, torch.arange(clocks, dtype=torch.int32, device=device), self.stages, replicas)
+        backward_clocks = torch.as_tensor(tables.backward_clocks).repeat_interleave(replicas, 1).to(device)
+        clock_columns = (torch.as_tensor(tables.reads, dtype=slots.dtype).to(device),
+                         torch.as_tensor(tables.gradient_writes, dtype=slots.dtype).to(device),
+                         per_device(tables.forwards), per_device(tables.backwards), per_device(tables.stash_writes),
+                         per_device(tables.stash_reads), keys, keys.gather(0, backward_clocks))
+        held = tuple(self.placement.per_device(t) for t in held)
+        rounds = torch.ones(slots.shape[0], 1, dtype=slots.dtype, device=device)
+        first = slots[:, 0]  # idle cells run real rows (see xpipe.spmd.conveyor)
+        stash = first.unsqueeze(1).expand(-1, ring_slots(self.stages), *first.shape[1:]).clone()
+        carry = (first.clone(), torch.zeros_like(first), stash, slots,
+                 tuple(torch.zeros_like(w) for w in weights), tuple(_zero_gradient(t) for t in held),
+                 torch.zeros(slots.shape[0], dtype=torch.float32, device=device), weights, held, valid, rounds)
+        spans = phases(self.stages, tables.chunks)
+        for (start, end), forward, backward in ((spans.warmup, True, False), (spans.steady, True, True),
+                                                (spans.cooldown, False, True)):
+            if end > start:  # the microbatch leaving the last stage: in the steady loop alone
+                head_columns = (shares, columns) if forward and backward else ()
+                columns_now = (*(column[start:end] for column in clock_columns), *head_columns)
+                carry, _ = while_loop(_Clock(self, names, forward, backward), carry, columns_now)
+        gradients, weight_grads, held_grads, losses = carry[3], carry[4], carry[5], carry[6]
+        # The gradient of the i-th microbatch to enter rests in stage S - 1 - i % S: flipped back to stage i % S.
+        gradients = gradients.unflatten(0, (self.stages, replicas)).flip(0).flatten(0, 1)
+        held_grads = [g.sum(0) if g.is_floating_point() else None for g in held_grads]  # the row groups' added up
+        return losses.sum(), [gradients, *weight_grads, *held_grads]
+
+    def next_stage(self, x: torch.Tensor, direction: int) -> torch.Tensor:
+        """``x`` (``[S * P, ...]``, stage-major) moved one stage up (1) or down (-1)."""
+        if self.stages > 1:
+            return shift(x, direction * self.replicas)
+        return x * 0  # nothing moves with one stage; kept in the traced graph
+
+    def head(self, names: tuple[str, ...], held: tuple[torch.Tensor, ...], state: torch.Tensor,
+             columns: tuple[torch.Tensor, ...], share: torch.Tensor
+             ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+        """The layers after the body and the loss on every row group's stage output,
+        each weighted by its ``share`` (0 off the last stage): the losses ``[S * P]``,
+        the gradient of the stage output and of each row group's copy of what they
+        hold whole (``held``: their weights ``names``, then the whole skips)."""
+        head = self.head_
+
+        def one_group(x: torch.Tensor, target: torch.Tensor, rows: tuple[torch.Tensor, ...],
+                      *held_: torch.Tensor) -> torch.Tensor:
+            weights, whole, rows = dict(zip(names, held_)), iter(held_[len(names):]), iter(rows)
+            skips = [next(rows) if has_rows else next(whole) for has_rows in head.skip_rows]
+            with ShardableOps():
+                output = head.fold(functional_call(head.post, weights, (self.packing.stream(x), *skips)))
+            loss = head.loss_fn(output, target)
+            if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+                raise ValueError("loss_fn: must return a scalar tensor")
+            return loss.float()
+
+        with torch.enable_grad():
+            leaves = [state.detach().requires_grad_(),
+                      *(t.detach().requires_grad_() if t.is_floating_point() else t for t in held)]
+            losses = torch.vmap(one_group)(leaves[0], columns[0], columns[1:], *leaves[1:])
+            losses = torch.where(share > 0, losses * share.float(), torch.zeros_like(losses))
+            wanted = [leaf for leaf in leaves if leaf.requires_grad]
+            found = iter(torch.autograd.grad(losses.sum(), wanted, allow_unused=True))
+        found = [_zero_gradient(leaf) if not leaf.requires_grad else _or_zero(next(found), leaf) for leaf in leaves]
+        return losses.detach(), found[0], found[1:]
+
+
+def check_even_rows(layout: SlotLayout) -> None:
+    """1F1B takes a microbatch's loss on each device's rows of it, so no device may hold
+    both the user's rows and padding: the batch must split evenly into ``chunks``
+    microbatches of equal rows on each of a stage's devices."""
+    if layout.chunks * layout.replicas * layout.rows != layout.batch:
+        raise ValueError(
+            f"batch: schedule='1f1b' under the spmd executor needs a batch that splits into chunks={layout.chunks} "
+            f"microbatches of equal rows on each of a stage's {layout.replicas} devices; {layout.batch} rows do not. "
+            f"Pass a batch of a multiple of {layout.chunks * layout.replicas} rows (drop_last=True on the loader)")
+
+
+def _real_pieces(layout: SlotLayout, microbatched: bool) -> np.ndarray:
+    """``[S, P, R]``: whether each device's rows of each slot are the user's (padding
+    fills the rest: the slots past ``chunks``; :func:`check_even_rows` holds)."""
+    stage, replica, slot = np.meshgrid(np.arange(layout.stages), np.arange(layout.replicas), np.arange(layout.slots),
+                                       indexing="ij")
+    if microbatched:  # microbatch s * R + r on every device of the stage
+        return stage * layout.slots + slot < layout.chunks
+    return (stage * layout.replicas + replica) * layout.slots + slot < layout.chunks * layout.replicas
+
+
+def check_options(checkpoint: str, tensor: int) -> None:
+    """What 1F1B under the spmd executor runs so far, refused by name otherwise."""
+    if checkpoint != "always":
+        raise ValueError(f"checkpoint: schedule='1f1b' under the spmd executor recomputes each stage's forward from "
+                         f"its stashed input in the backward clock, which is checkpoint='always', not {checkpoint!r}; "
+                         "pass checkpoint='always', or use schedule='gpipe'")
+    if tensor != 1:
+        raise ValueError(f"mesh: schedule='1f1b' under the spmd executor runs on meshes without a \"tensor\" axis, "
+                         f"this one splits over {tensor}; use schedule='gpipe' with tensor parallelism")
+
+
+def _stage_vjp(run_stages: Callable[..., torch.Tensor], weights: tuple[torch.Tensor, ...], valid: torch.Tensor,
+               x: torch.Tensor, rounds: torch.Tensor, keys: torch.Tensor, gradient: torch.Tensor
+               ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Every stage's forward from its stashed input ``x``, again, and the gradients of
+    its input and weights for its output's ``gradient``."""
+    with torch.enable_grad():
+        leaves = [x.detach().requires_grad_(), *(w.detach().requires_grad_() for w in weights)]
+        y = run_stages(tuple(leaves[1:]), valid, leaves[0], rounds, keys)
+        found = torch.autograd.grad(y, leaves, gradient, allow_unused=True)
+    found = [torch.zeros_like(leaf) if g is None else g for g, leaf in zip(found, leaves)]
+    return found[0], found[1:]
+
+
+def _zero_gradient(tensor: torch.Tensor) -> torch.Tensor:
+    """Where a tensor's gradient adds up (a float zero of its shape; for an integer
+    tensor, which has none, a zero that stays one)."""
+    return torch.zeros_like(tensor, dtype=tensor.dtype if tensor.is_floating_point() else torch.float32)
+
+
+def _or_zero(gradient: torch.Tensor | None, leaf: torch.Tensor) -> torch.Tensor:
+    return torch.zeros_like(leaf) if gradient is None else gradient
+
+
+def _where(live: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """``x`` where ``live`` (``[S * P]``) is set, else 0; a NaN of an idle cell stays out."""
+    return torch.where(live.view(-1, *[1] * (x.dim() - 1)) > 0, x, torch.zeros_like(x))
+
+
+class _Clock:
+    """The body of one of the three loops: a forward, a backward, or both (with the
+    layers after the body and the loss, for the microbatch leaving the last stage)."""
+
+    def __init__(self, step: OneFOneBStep, names: tuple[str, ...], forward: bool, backward: bool) -> None:
+        self.step, self.names, self.forward, self.backward = step, names, forward, backward
+
+    def __call__(self, carry: tuple, columns: tuple) -> tuple[tuple, tuple]:
+        step = self.step
+        (state, gradient, stash, buffer, weight_grads, held_grads, losses, weights, held, valid, rounds) = carry
+        read, write, forwards, backwards, stash_write, stash_read, keys, backward_keys, *head = columns
+        devices = state.shape[0]
+        device = torch.arange(devices, device=state.device).view(-1, 1, 1)
+        first, last = device < step.replicas, device >= devices - step.replicas
+        read_mask, write_mask = read.view(1, -1, 1, 1), write.view(1, -1, 1, 1)
+        # One permute each way: up the stages the forward stream and the gradients'
+        # column, down them the backward stream and the inputs' column.
+        up = step.next_stage(torch.stack([state, (buffer * write_mask).sum(1)], 1), 1)
+        down = step.next_stage(torch.stack([gradient, (buffer * read_mask).sum(1)], 1), -1)
+        entering = torch.where(read.sum() > 0, (buffer * read_mask).sum(1), buffer[:, 0])
+        buffer = torch.where(read_mask > 0, down[:, 1].unsqueeze(1), buffer)
+        if self.forward:
+            x = torch.where(first, entering, up[:, 0])
+            stash = torch.where(stash_write.view(*stash_write.shape, 1, 1) > 0, x.unsqueeze(1), stash)
+            with torch.no_grad():
+                state = step.run_stages(weights, valid, x, rounds, keys)
+        if self.backward:
+            incoming = down[:, 0]
+            if self.forward:  # the last stage's gradient is its loss's, this clock
+                share, head_columns = head
+                loss, from_loss, found = step.head(self.names, held, state, head_columns, share)
+                incoming = torch.where(last, from_loss, incoming)
+                losses = losses + loss
+                held_grads = tuple(total + g for total, g in zip(held_grads, found))
+            saved = (stash * stash_read.view(*stash_read.shape, 1, 1)).sum(1)
+            gradient, found = _stage_vjp(step.run_stages, weights, valid, saved, rounds, backward_keys, incoming)
+            gradient = _where(backwards, gradient)
+            weight_grads = tuple(total + _where(backwards, g) for total, g in zip(weight_grads, found))
+            leaving = torch.where(first, gradient, up[:, 1])
+            buffer = torch.where(write_mask > 0, leaving.unsqueeze(1), buffer)
+        return (state, gradient, stash, buffer, weight_grads, held_grads, losses, weights, held, valid, rounds), ()
+
+
+class _Step(torch.autograd.Function):
+    """The step's loss; its forward makes every gradient (for a loss gradient of one),
+    its backward scales them by the loss's actual gradient."""
+
+    @staticmethod
+    def forward(ctx, step: OneFOneBStep, tables: OneFOneBTables, names: tuple[str, ...], seed: torch.Tensor,
+                slots: torch.Tensor, valid: torch.Tensor, columns: tuple[torch.Tensor, ...], shares: torch.Tensor,
+                count: int, *tensors: torch.Tensor) -> torch.Tensor:
+        loss, found = step.run(tables, names, seed, slots, valid, columns, shares, tensors[:count], tensors[count:])
+        ctx.present = [g is not None for g in found]
+        ctx.save_for_backward(*(g for g in found if g is not None))
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple:
+        saved = iter(ctx.saved_tensors)
+        grad_slots, *rest = (_scaled(next(saved), grad) if present else None for present in ctx.present)
+        return (None, None, None, None, grad_slots, None, None, None, None, *rest)
+
+
+def _scaled(gradient: torch.Tensor, by: torch.Tensor) -> torch.Tensor:
+    return gradient * by.to(gradient.dtype)

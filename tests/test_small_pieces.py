@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from xpipe.collectives import shift
-from xpipe.inspect import CommunicationReport, collectives, loop_trips
+from xpipe.inspect import CommunicationReport, collectives, loop_trips, matmul_flops
 from xpipe.recompute import check_mode, recompute
 from xpipe.spmd.dropout import hashed_dropout
 from xpipe.spmd.lowering import ShardableOps, heads_leading_attention, layer_norm
@@ -181,6 +181,38 @@ def test_the_per_iteration_view_gives_each_loop_body_its_collectives_and_trip_co
     assert "per iteration of body (7 iterations): collective-permute x1 over -" in str(report)
     with pytest.raises(ValueError, match="kind: 'allreduce' is not a collective"):
         body.count("allreduce")
+
+
+MATMULS = """
+HloModule step
+
+%fused (a: f32[4,8], b: f32[8,2]) -> f32[4,2] {
+  %a = f32[4,8]{1,0} parameter(0)
+  %b = f32[8,2]{1,0} parameter(1)
+  ROOT %inner = f32[4,2]{1,0} dot(%a, %b), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+%body (p: (f32[4,8])) -> (f32[4,8]) {
+  %x = f32[3,4,8]{2,1,0} parameter(0)
+  %y = f32[3,8,5]{2,1,0} parameter(1)
+  %batched = f32[3,4,5]{2,1,0} dot(%x, %y), lhs_batch_dims={0}, lhs_contracting_dims={2}, rhs_batch_dims={0}, rhs_contracting_dims={1}
+  %f = f32[4,2]{1,0} fusion(%u, %v), kind=kOutput, calls=%fused
+}
+
+ENTRY %main () -> f32[] {
+  %w = (f32[4,8]) while(%t), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"5"}}
+  %l = f32[6,16]{1,0} parameter(0)
+  %once = f32[6,1]{1,0} dot(%l, %r), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+"""
+
+
+def test_matmul_flops_counts_each_dot_as_often_as_its_computation_runs():
+    """2 x result x contracted: the entry's dot once, the loop body's (and the fusion it
+    calls) five times."""
+    once = 2 * 6 * 16
+    batched, fused = 2 * 3 * 4 * 5 * 8, 2 * 4 * 2 * 8
+    assert matmul_flops(MATMULS) == once + 5 * (batched + fused)
 
 
 def test_hlo_dump_folder_is_removed_at_exit_unless_the_caller_named_it(tmp_path):

@@ -174,7 +174,7 @@ def checked_spmd_layout(capture: ModelCapture, options: Options, stages: int, te
                          f"or round the stage ring, and 1F1B's), not {options.schedule!r}; use one of those, or "
                          "executor='devices'")
     if options.schedule == "1f1b":
-        check_one_f_one_b(options.checkpoint, tensor)
+        check_one_f_one_b(options.checkpoint)
     if options.schedule == "circular":  # what the ring cannot run is refused for the chunks asked for
         check_ring_chunks(stages, options.chunks, options.virtual)
     schedule = by_name(options.schedule, stages, padded_chunks(options.chunks, stages), options.virtual)

@@ -325,15 +325,12 @@ def _real_pieces(layout: SlotLayout, microbatched: bool) -> np.ndarray:
     return (stage * layout.replicas + replica) * layout.slots + slot < layout.chunks * layout.replicas
 
 
-def check_options(checkpoint: str, tensor: int) -> None:
+def check_options(checkpoint: str) -> None:
     """What 1F1B under the spmd executor runs so far, refused by name otherwise."""
     if checkpoint != "always":
         raise ValueError(f"checkpoint: schedule='1f1b' under the spmd executor recomputes each stage's forward from "
                          f"its stashed input in the backward clock, which is checkpoint='always', not {checkpoint!r}; "
                          "pass checkpoint='always', or use schedule='gpipe'")
-    if tensor != 1:
-        raise ValueError(f"mesh: schedule='1f1b' under the spmd executor runs on meshes without a \"tensor\" axis, "
-                         f"this one splits over {tensor}; use schedule='gpipe' with tensor parallelism")
 
 
 def _stage_vjp(run_stages: Callable[..., torch.Tensor], weights: tuple[torch.Tensor, ...], valid: torch.Tensor,

@@ -28,6 +28,16 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.overrides import TorchFunctionMode
 
 
+def normalizes_over_rows(module: nn.Module) -> bool:
+    """Whether ``module`` (a captured piece of a model) holds a batch normalization in any
+    form: a BatchNorm layer, or the operation torch.export records for one."""
+    if any(isinstance(layer, _BatchNorm) for layer in module.modules()):
+        return True
+    graph = getattr(module, "graph", None)
+    return graph is not None and any(node.op == "call_function" and "batch_norm" in str(node.target)
+                                     for node in graph.nodes)
+
+
 class RunningStatistics:
     """The running statistics of every BatchNorm in ``modules`` that tracks them."""
 

@@ -27,7 +27,7 @@ from equivalence import ATOL, RTOL, compiled, host_gradients  # noqa: E402
 from hf_models import assert_gradients_match, gpt2, llama, tokens  # noqa: E402
 from pipe_checks import batch_for, tiny_lm  # noqa: E402
 from tiers import in_full_tier  # noqa: E402
-from xpipe.models import transformer_lm  # noqa: E402
+from xpipe.models import MLPBlock, transformer_lm  # noqa: E402
 
 STAGES, DATA = 4, 2
 
@@ -146,6 +146,26 @@ def test_dropout_draws_gpipes_masks():
     assert any(gradient.abs().sum() > 0 for gradient in gradients["1f1b"].values())
 
 
+@pytest.mark.full
+def test_dropout_after_the_body_draws_its_masks_from_the_steps_seed():
+    """A dropout between the body and the head runs in the steady loop with the hashed
+    masks of the cell that left the last stage (``xpipe.spmd.dropout``): the same seed
+    gives the same loss, another seed another, and neither is the loss without it."""
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), *[MLPBlock(16) for _ in range(4)], torch.nn.Dropout(0.5),
+                                torch.nn.Linear(16, 4))
+    pipe = xpipe.Pipe(model, chunks=8, mesh=xpipe.make_mesh(STAGES, DATA), schedule="1f1b", checkpoint="always",
+                      loss_fn=F.mse_loss)
+    batch, target = torch.randn(1, 8).expand(16, 8), torch.zeros(16, 4)
+    losses = []
+    for seed in (1, 1, 2):
+        torch.manual_seed(seed)
+        losses.append(pipe.step(batch, target).item())
+    with torch.no_grad():
+        pipe.eval()
+        plain = F.mse_loss(pipe(batch).cpu(), target).item()
+    assert losses[0] == losses[1] and losses[0] != losses[2] and plain not in losses, (losses, plain)
+
+
 def audited(schedule: str, chunks: int) -> xpipe.inspect.CommunicationReport:
     """One step of a model whose activations dominate a stage's input (4 blocks a stage,
     128 tokens, 4 heads of width 16: attention's scores are 8 times the stream), two
@@ -210,6 +230,11 @@ def test_what_it_does_not_run_yet_is_refused_by_name():
         assert pipe(batch).shape == (16, 8, 32)  # inference runs GPipe's forward
     with pytest.raises(ValueError, match="batch: schedule='1f1b' under the spmd executor needs a batch that splits"):
         pipe.step(batch[:15], targets[:15])
+    normalized = torch.nn.Sequential(torch.nn.Linear(8, 16), *[MLPBlock(16) for _ in range(4)],
+                                     torch.nn.BatchNorm1d(16), torch.nn.Linear(16, 4))
+    batch_norm = xpipe.Pipe(normalized, chunks=4, mesh=mesh, schedule="1f1b", checkpoint="always", loss_fn=F.mse_loss)
+    with pytest.raises(ValueError, match="module: the layers after the body hold a BatchNorm"):
+        batch_norm.step(torch.randn(8, 8), torch.randn(8, 4))
     unsaid = xpipe.Pipe(tiny_lm(), chunks=8, mesh=mesh, schedule="1f1b", checkpoint="always",
                         loss_fn=lambda output, target: F.cross_entropy(output.flatten(0, 1), target.flatten()))
     with pytest.raises(ValueError, match="loss_fn: schedule='1f1b' under the spmd executor .* must say how it reduces"):

@@ -37,7 +37,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from torch_xla.experimental.scan import scan
 
 from xpipe._batch import check_outputs
-from xpipe._batchnorm import RunningStatistics
+from xpipe._batchnorm import RunningStatistics, normalizes_over_rows
 from xpipe.capture.stacking import StackedModel
 from xpipe.layout import spread
 from xpipe.recompute import first_kept_clock
@@ -235,6 +235,11 @@ class SpmdPipeline(nn.Module):
         """The step's loss under 1F1B (:mod:`xpipe.spmd.one_f_one_b`), whose backward
         gives every gradient."""
         check_loss_fn(loss_fn)
+        if self.training and normalizes_over_rows(self.post):
+            raise ValueError("module: the layers after the body hold a BatchNorm, which in training normalizes over "
+                             "the whole batch; schedule='1f1b' under the spmd executor runs those layers one "
+                             "microbatch at a time, which would normalize over each microbatch's rows instead. Use "
+                             "schedule='gpipe' (or 'circular')")
         entry = self._entering(inputs, microbatch_dim)
         check_even_rows(entry.layout)
         if entry.skips and self.skip_rows is None:

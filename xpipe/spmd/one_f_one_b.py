@@ -50,10 +50,13 @@ from xpipe._xla import while_loop
 from xpipe.collectives import shift
 from xpipe.reduction import declared, loss_fn_items_each
 from xpipe.spmd.conveyor import SlotLayout
-from xpipe.spmd.dropout import cell_keys
+from xpipe.spmd.dropout import cell_keys, hashed_dropout
 from xpipe.spmd.lowering import ShardableOps
 from xpipe.spmd.placement import Placement
 from xpipe.spmd.sides import Packing
+
+
+HEAD_SLOT = -1  # the layers after the body draw dropout masks as a block slot of their own would
 
 
 @dataclass(frozen=True)
@@ -274,19 +277,21 @@ class OneFOneBStep:
         return x * 0  # nothing moves with one stage; kept in the traced graph
 
     def head(self, names: tuple[str, ...], held: tuple[torch.Tensor, ...], state: torch.Tensor,
-             columns: tuple[torch.Tensor, ...], share: torch.Tensor
+             columns: tuple[torch.Tensor, ...], share: torch.Tensor, keys: torch.Tensor
              ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
         """The layers after the body and the loss on every row group's stage output,
         each weighted by its ``share`` (0 off the last stage): the losses ``[S * P]``,
         the gradient of the stage output and of each row group's copy of what they
-        hold whole (``held``: their weights ``names``, then the whole skips)."""
+        hold whole (``held``: their weights ``names``, then the whole skips). Their
+        dropout masks come from ``keys``, the cell each row group's stage ran
+        (:mod:`xpipe.spmd.dropout`), as the blocks' do."""
         head = self.head_
 
-        def one_group(x: torch.Tensor, target: torch.Tensor, rows: tuple[torch.Tensor, ...],
+        def one_group(x: torch.Tensor, target: torch.Tensor, rows: tuple[torch.Tensor, ...], key: torch.Tensor,
                       *held_: torch.Tensor) -> torch.Tensor:
             weights, whole, rows = dict(zip(names, held_)), iter(held_[len(names):]), iter(rows)
             skips = [next(rows) if has_rows else next(whole) for has_rows in head.skip_rows]
-            with ShardableOps():
+            with ShardableOps(), hashed_dropout(key, HEAD_SLOT):
                 output = head.fold(functional_call(head.post, weights, (self.packing.stream(x), *skips)))
             loss = head.loss_fn(output, target)
             if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
@@ -296,7 +301,7 @@ class OneFOneBStep:
         with torch.enable_grad():
             leaves = [state.detach().requires_grad_(),
                       *(t.detach().requires_grad_() if t.is_floating_point() else t for t in held)]
-            losses = torch.vmap(one_group)(leaves[0], columns[0], columns[1:], *leaves[1:])
+            losses = torch.vmap(one_group)(leaves[0], columns[0], columns[1:], keys, *leaves[1:])
             losses = torch.where(share > 0, losses * share.float(), torch.zeros_like(losses))
             wanted = [leaf for leaf in leaves if leaf.requires_grad]
             found = iter(torch.autograd.grad(losses.sum(), wanted, allow_unused=True))
@@ -391,7 +396,7 @@ class _Clock:
             incoming = down[:, 0]
             if self.forward:  # the last stage's gradient is its loss's, this clock
                 share, head_columns = head
-                loss, from_loss, found = step.head(self.names, held, state, head_columns, share)
+                loss, from_loss, found = step.head(self.names, held, state, head_columns, share, keys)
                 incoming = torch.where(last, from_loss, incoming)
                 losses = losses + loss
                 held_grads = tuple(total + g for total, g in zip(held_grads, found))

@@ -11,6 +11,7 @@ XLA devices, only once nothing can refuse.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any, NamedTuple
 
 import torch
@@ -29,6 +30,7 @@ from xpipe.devices.stages import cut_into_stages
 from xpipe.layout import spread
 from xpipe.mesh import axes_of, make_mesh, mesh_axes, spmd_device
 from xpipe.partition import Partition, partition_captured, rebalanced, spmd_balance, spmd_partition
+from xpipe.reduction import model_loss_items_each
 from xpipe.schedule import Schedule, by_name, check_ring_chunks
 from xpipe.spmd.clock import SpmdOptions
 from xpipe.spmd.executor import AUTO_SCHEDULES
@@ -157,7 +159,8 @@ def build_spmd(capture: ModelCapture, options: Options) -> Built:
     for piece in {stacked.pre, *stacked.blocks, stacked.post, *layout.templates.values()}:  # templates' constants
         place_constants_on(piece, device)
     spmd_options = SpmdOptions(layout.schedule, options.chunks, options.checkpoint, layout.dims, options.gather,
-                               layout.templates, layout.packed, options.sequence_parallel)
+                               layout.templates, layout.packed, options.sequence_parallel,
+                               partial(model_loss_items_each, module))
     runner = SpmdPipeline(stacked, mesh, device, tie_groups(module), spmd_options)
     retire(module, [p for block in stacked.blocks for p in block.parameters()])
     return Built(runner, layout.partition, layout.schedule, mesh, [device])

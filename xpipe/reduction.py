@@ -153,14 +153,30 @@ def model_loss_items(module: torch.nn.Module, inputs: Mapping[str, Any]) -> Item
     Face model given integer ``labels``, the labels that are not ignored (after the
     shift of a decoder-only language model, whose last position predicts nothing);
     otherwise the rows."""
-    labels = inputs.get("labels")
+    labels = _counted_labels(module, inputs.get("labels"))
+    return rows(next(iter(inputs.values()))) if labels is None else (labels != IGNORE_INDEX).sum()
+
+
+def model_loss_items_each(module: torch.nn.Module, labels: torch.Tensor | None, pieces: torch.Tensor) -> torch.Tensor:
+    """:func:`model_loss_items` of each piece at once: ``pieces`` is any input of the
+    model laid out ``[i, j, rows, ...]``, ``labels`` its labels so laid out (or None);
+    float32 ``[i, j]``."""
+    counted = _counted_labels(module, labels)
+    if counted is None:
+        return torch.full(pieces.shape[:2], float(pieces.shape[2]), device=pieces.device)
+    return (counted != IGNORE_INDEX).flatten(2).sum(-1).to(torch.float32)
+
+
+def _counted_labels(module: torch.nn.Module, labels: Any) -> torch.Tensor | None:
+    """The labels whose count a Hugging Face model's loss divides by (shifted for a
+    decoder-only language model), or None where it means over rows."""
     config = getattr(module, "config", None)
     if config is None or not isinstance(labels, torch.Tensor) or labels.is_floating_point():
-        return rows(next(iter(inputs.values())))
+        return None
     loss_type = getattr(module, "loss_type", None) or "ForCausalLM"  # transformers' own default
     if loss_type == "ForCausalLM" and not getattr(config, "is_encoder_decoder", False):
-        labels = labels[..., 1:]
-    return (labels != IGNORE_INDEX).sum()
+        return labels[..., 1:]
+    return labels
 
 
 def weighted(loss: torch.Tensor, share: torch.Tensor | float) -> torch.Tensor:

@@ -125,6 +125,33 @@ def test_a_hugging_face_llama_whose_head_reads_the_embedding_from_before_the_bod
     assert_same_step(pipe, reference, {"input_ids": ids}, ids)
 
 
+@pytest.mark.parametrize("stages, data, fsdp, tensor, chunks", [
+    in_full_tier(STAGES, DATA, 1, 1, 8),
+    in_full_tier(2, 1, 2, 2, 4),  # with sequence parallelism
+])
+def test_a_hugging_face_llama_trains_on_its_own_loss_from_labels(stages, data, fsdp, tensor, chunks):
+    """``pipe(input_ids=..., labels=...).loss.backward()``: the step runs whole in the
+    forward, each microbatch's loss weighted by its share of the labels the model's
+    loss counts (after the shift; some ignored, unevenly), and what comes back is
+    the model's output holding the loss alone."""
+    model = llama(layers=8)
+    reference = copy.deepcopy(model)
+    ids = tokens(16, seq=16)
+    labels = ids.clone()
+    labels[0, :5] = labels[3, 2:] = -100
+    pipe = xpipe.Pipe(model, chunks=chunks, mesh=xpipe.make_mesh(stages, data, fsdp=fsdp, tensor=tensor),
+                      schedule="1f1b", checkpoint="always", sequence_parallel=tensor > 1,
+                      sample_input={"input_ids": ids[:2], "labels": ids[:2]})
+    expected = reference(input_ids=ids, labels=labels).loss
+    expected.backward()
+    output = pipe(input_ids=ids, labels=labels)
+    assert type(output) is type(reference(input_ids=ids)) and output.logits is None
+    output.loss.backward()
+    torch_xla.sync()
+    torch.testing.assert_close(output.loss.detach().cpu(), expected.detach(), rtol=RTOL, atol=ATOL)
+    assert_gradients_match(pipe, reference)
+
+
 @pytest.mark.full
 def test_dropout_draws_gpipes_masks():
     """The same seeds, the same masks: a 1F1B step's gradients are GPipe's on the same mesh

@@ -52,6 +52,9 @@ class SpmdOptions:
         packed: the linears whose packed weights the loop gets tensor-major.
         sequence_parallel: hold the stream between the blocks' tensor-parallel regions
             as sequence slices over "tensor" (:mod:`xpipe.spmd.sequence_parallel`).
+        model_loss_items: what the loss the model returns averages over, per piece of
+            its labels (:func:`xpipe.reduction.model_loss_items_each` of the model), for
+            1F1B's ``pipe(...)``.
     """
 
     schedule: Schedule
@@ -62,6 +65,7 @@ class SpmdOptions:
     templates: Mapping[bool, torch.fx.GraphModule] | None = None
     packed: Sequence[PackedLinear] = ()
     sequence_parallel: bool = False
+    model_loss_items: Callable[[torch.Tensor | None, torch.Tensor], torch.Tensor] | None = None
 
 
 class ClockBody:

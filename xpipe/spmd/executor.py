@@ -46,7 +46,7 @@ from xpipe.spmd.clock import ClockBody, SpmdOptions
 from xpipe.spmd.conveyor import SlotLayout, column_tables, from_slots, slot_layout, to_slots
 from xpipe.spmd.dropout import cell_keys
 from xpipe.spmd.lowering import ShardableOps
-from xpipe.spmd.one_f_one_b import Head, OneFOneBStep, check_even_rows, check_loss_fn
+from xpipe.spmd.one_f_one_b import Head, OneFOneBStep, check_even_rows, model_loss
 from xpipe.spmd.ordering import fenced, read_after
 from xpipe.spmd.placement import Placement
 from xpipe.spmd.segmented_loss import LossOverSegments
@@ -140,6 +140,7 @@ class SpmdPipeline(nn.Module):
                                 {name: buffer.dtype for name, buffer in constants.items()}, self.depth, self.virtual,
                                 options)
         self.gather = options.gather
+        self.model_loss_items = options.model_loss_items
 
     def train(self, mode: bool = True) -> SpmdPipeline:
         """Also sets the mode of the block that the stacked weights run through."""
@@ -163,9 +164,7 @@ class SpmdPipeline(nn.Module):
     def forward(self, *inputs: torch.Tensor, microbatch_dim: int | None = None):
         """Run one step's forward; see :class:`xpipe.Pipe` for the contract."""
         if self.schedule.name == "1f1b" and torch.is_grad_enabled():
-            raise ValueError("schedule: '1f1b' under the spmd executor runs each microbatch's backward inside the "
-                             "step, with the loss: train with pipe.step(inputs, target) (build the Pipe with "
-                             "loss_fn=...), and run pipe(x) under torch.no_grad()")
+            return self._one_f_one_b_output(inputs, microbatch_dim)
         entry = self._entering(inputs, microbatch_dim)
         layout, microbatched = entry.layout, entry.microbatched
         slots, after = fenced(entry.slots, (entry.skips, entry.outer[self.post]))  # the loop starts when all before it is done
@@ -219,7 +218,8 @@ class SpmdPipeline(nn.Module):
         model's cross-entropy a segment of the logits at a time), and its backward; under
         1F1B, each microbatch's loss and backward inside the clock loops."""
         if self.schedule.name == "1f1b":
-            loss = self._one_f_one_b_loss(inputs, target, loss_fn, microbatch_dim)
+            head = partial(Head.of_loss_fn, loss_fn=loss_fn)
+            _, loss = self._one_f_one_b_loss(inputs, target, head, microbatch_dim)
         else:
             output = self(*inputs, microbatch_dim=microbatch_dim)
             device = self.body.weights[0].device
@@ -230,11 +230,27 @@ class SpmdPipeline(nn.Module):
         loss.backward()
         return loss.detach()
 
-    def _one_f_one_b_loss(self, inputs: tuple, target: Any, loss_fn: Callable[[Any, Any], torch.Tensor],
-                          microbatch_dim: int | None) -> torch.Tensor:
+    def _one_f_one_b_output(self, inputs: tuple, microbatch_dim: int | None) -> Any:
+        """``pipe(...)`` under gradients with 1F1B: the step runs whole, each microbatch's
+        backward inside it, on the loss the model returns (Hugging Face's ``labels=``),
+        each microbatch's weighted by its share of the labels the loss counts
+        (:func:`xpipe.reduction.model_loss_items_each`); returned in what the model
+        returns, the loss alone."""
+        names = self.input_names
+        labels = names.index("labels") if "labels" in names else None
+        target = inputs[0 if labels is None else labels]
+
+        def items(targets: torch.Tensor) -> torch.Tensor:
+            return self.model_loss_items(None if labels is None else targets, targets)
+
+        head = partial(Head, loss=model_loss, items=items, mean=True)
+        runner, loss = self._one_f_one_b_loss(inputs, target, head, microbatch_dim)
+        return runner.as_output(loss)
+
+    def _one_f_one_b_loss(self, inputs: tuple, target: Any, head: Callable[..., Head],
+                          microbatch_dim: int | None) -> tuple[OneFOneBStep, torch.Tensor]:
         """The step's loss under 1F1B (:mod:`xpipe.spmd.one_f_one_b`), whose backward
-        gives every gradient."""
-        check_loss_fn(loss_fn)
+        gives every gradient; ``head(post, fold, skip_rows)`` the loss's :class:`Head`."""
         if self.training and normalizes_over_rows(self.post):
             raise ValueError("module: the layers after the body hold a BatchNorm, which in training normalizes over "
                              "the whole batch; schedule='1f1b' under the spmd executor runs those layers one "
@@ -249,11 +265,10 @@ class SpmdPipeline(nn.Module):
                              "row")
         slots, (skips, post_weights) = fenced(entry.slots, (entry.skips, entry.outer[self.post]))
         fold = self.exported.folded if self.exported is not None else _unchanged
-        head = Head(self.post, loss_fn, fold, self.skip_rows or ())
         runner = OneFOneBStep(self.placement, self._clock.stages(self._templates[self.training], entry.packing),
-                              head, entry.packing)
+                              head(self.post, fold, self.skip_rows or ()), entry.packing)
         batch_first = partial(self._batch_first, microbatch_dim=microbatch_dim)
-        return runner.loss(self.placement.conveyed(slots), target, skips, entry.layout, entry.microbatched,
+        return runner, runner.loss(self.placement.conveyed(slots), target, skips, entry.layout, entry.microbatched,
                            self._step_seed(slots.device), self._clock_weights(entry.constants),
                            self._valid_mask(slots), post_weights,
                            lambda t: to_slots(batch_first(t), entry.layout, entry.microbatched))

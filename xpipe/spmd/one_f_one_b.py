@@ -39,12 +39,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import numpy as np
 import torch
 from torch.func import functional_call
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 
 from xpipe._xla import while_loop
 from xpipe.collectives import shift
@@ -150,13 +151,39 @@ def check_loss_fn(loss_fn: Callable[..., Any]) -> None:
 class Head:
     """What runs on a microbatch as it leaves the last stage: the layers after the
     body, on its stream and the skips (each with a row per batch row, per
-    ``skip_rows``, or held whole), then the loss of what the model returns
-    (``fold`` of their output) and the target."""
+    ``skip_rows``, or held whole), then ``loss`` of what the model returns (``fold``
+    of their output) and the target.
+
+    ``items`` gives, from the targets laid out ``[M, P, rows, ...]``, what each
+    microbatch's loss averages over on each row group (``[M, P]``); with ``mean``
+    the step's loss weighs each by its share of them, else adds them up.
+    """
 
     post: torch.nn.Module
-    loss_fn: Callable[..., torch.Tensor]
     fold: Callable[[Any], Any]
     skip_rows: tuple[bool, ...]
+    loss: Callable[[Any, torch.Tensor], torch.Tensor]
+    items: Callable[[torch.Tensor], torch.Tensor]
+    mean: bool
+
+    @classmethod
+    def of_loss_fn(cls, post: torch.nn.Module, fold: Callable[[Any], Any], skip_rows: tuple[bool, ...],
+                   loss_fn: Callable[..., torch.Tensor]) -> Head:
+        """``pipe.step``'s: the user's ``loss_fn``, which must say how it reduces."""
+        check_loss_fn(loss_fn)
+        return cls(post, fold, skip_rows, loss_fn, partial(loss_fn_items_each, loss_fn, pieces=2),
+                   declared(loss_fn).reduction == "mean")
+
+
+def model_loss(output: Any, target: torch.Tensor) -> torch.Tensor:
+    """The loss a model returns (``output.loss``: Hugging Face's ``labels=``)."""
+    loss = getattr(output, "loss", None)
+    if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+        raise ValueError("schedule: '1f1b' under the spmd executor runs each microbatch's backward inside the step, "
+                         "with the loss: train with pipe.step(inputs, target) (build the Pipe with loss_fn=...), or "
+                         "pipe(...) of a model that returns its loss (labels=); run pipe(x) for its output under "
+                         "torch.no_grad()")
+    return loss
 
 
 class OneFOneBStep:
@@ -174,6 +201,15 @@ class OneFOneBStep:
                  packing: Packing) -> None:
         self.placement, self.run_stages, self.head_, self.packing = placement, run_stages, head, packing
         self.stages, self.replicas = placement.axes.stage, placement.replicas
+        self.output_form: tuple[TreeSpec, int] | None = None  # what the model returns, and where the loss is in it
+
+    def as_output(self, loss: torch.Tensor) -> Any:
+        """What the model returns, with the step's ``loss`` in place of a microbatch's and
+        nothing else (no microbatch's logits are kept): for ``pipe(...).loss``."""
+        spec, place = self.output_form
+        leaves = [None] * spec.num_leaves
+        leaves[place] = loss
+        return tree_unflatten(leaves, spec)
 
     def loss(self, slots: torch.Tensor, target: Any, skips: tuple[torch.Tensor, ...], layout: SlotLayout,
              microbatched: bool, seed: torch.Tensor, weights: tuple[torch.Tensor, ...], valid: torch.Tensor,
@@ -214,9 +250,9 @@ class OneFOneBStep:
         real = _real_pieces(layout, microbatched)  # [S, P, R]
         real = torch.tensor(real.transpose(2, 0, 1).reshape(-1, self.replicas), dtype=torch.float32,
                             device=targets.device)
-        if declared(self.head_.loss_fn).reduction != "mean":
+        if not self.head_.mean:
             return real
-        counts = loss_fn_items_each(self.head_.loss_fn, targets, 2) * real
+        counts = self.head_.items(targets) * real
         return counts / counts.sum()
 
     def _by_steady_clock(self, by_entry: torch.Tensor, on_last_only: bool = False) -> torch.Tensor:
@@ -293,9 +329,10 @@ class OneFOneBStep:
             skips = [next(rows) if has_rows else next(whole) for has_rows in head.skip_rows]
             with ShardableOps(), hashed_dropout(key, HEAD_SLOT):
                 output = head.fold(functional_call(head.post, weights, (self.packing.stream(x), *skips)))
-            loss = head.loss_fn(output, target)
+            loss = head.loss(output, target)
             if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
                 raise ValueError("loss_fn: must return a scalar tensor")
+            self.output_form = _form_of(output, loss)
             return loss.float()
 
         with torch.enable_grad():
@@ -349,6 +386,12 @@ def _stage_vjp(run_stages: Callable[..., torch.Tensor], weights: tuple[torch.Ten
         found = torch.autograd.grad(y, leaves, gradient, allow_unused=True)
     found = [torch.zeros_like(leaf) if g is None else g for g, leaf in zip(found, leaves)]
     return found[0], found[1:]
+
+
+def _form_of(output: Any, loss: torch.Tensor) -> tuple[TreeSpec, int] | None:
+    """``output``'s structure and the place of ``loss`` among its leaves (None if not there)."""
+    leaves, spec = tree_flatten(output)
+    return next(((spec, place) for place, leaf in enumerate(leaves) if leaf is loss), None)
 
 
 def _zero_gradient(tensor: torch.Tensor) -> torch.Tensor:

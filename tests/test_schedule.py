@@ -5,7 +5,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from xpipe.recompute import kept_cells
-from xpipe.schedule import SCHEDULES, Action, Schedule, by_name, clocked, gpipe
+from xpipe.schedule import SCHEDULES, Action, Lockstep, Schedule, by_name, clocked, gpipe
 
 
 def table(*rows: str):
@@ -152,3 +152,23 @@ def test_a_short_row_in_a_written_schedule_is_refused_at_once():
     text[2] = text[2].split()[0]  # clock 1 loses its second rank's cell
     with pytest.raises(ValueError, match=r"text: clock 1 has 1 cells, but stages=2 needs one per rank"):
         Schedule.from_text("\n".join(text))
+
+
+def test_lockstep_1f1b_does_gpipes_work_and_keeps_stage_inputs_by_stage_not_chunks():
+    """The spmd executor's 1F1B: every microbatch's forward and backward once on every
+    stage, each backward after its forward and after the next stage's backward; the
+    bubble GPipe's, and 2(S - 1 - s) + 1 stage inputs kept on stage s."""
+    lockstep = Lockstep(4, 8)
+    assert [(cells, end - start) for cells, start, end in lockstep.loops] == [("F", 3), ("F+B", 8), ("B", 3)]
+    clocks = range(lockstep.clocks)
+    forwards = [{lockstep.forward(c, s): c for c in clocks if lockstep.forward(c, s) is not None} for s in range(4)]
+    backwards = [{lockstep.backward(c, s): c for c in clocks if lockstep.backward(c, s) is not None} for s in range(4)]
+    for stage in range(4):
+        assert sorted(forwards[stage]) == sorted(backwards[stage]) == list(range(8))
+        assert all(backwards[stage][m] >= forwards[stage][m] for m in range(8))
+        if stage:
+            assert all(forwards[stage][m] == forwards[stage - 1][m] + 1 for m in range(8))
+            assert all(backwards[stage - 1][m] == backwards[stage][m] + 1 for m in range(8))
+    assert lockstep.bubble_fraction == gpipe(4, 8).bubble_fraction
+    assert lockstep.peak_in_flight == (7, 5, 3, 1)
+    assert Lockstep(4, 2).peak_in_flight == (2, 2, 2, 1)

@@ -11,7 +11,7 @@ import torch
 
 import xpipe
 from xpipe.models import small_cnn, transformer_lm
-from xpipe.schedule import by_name, gpipe
+from xpipe.schedule import Lockstep, by_name, gpipe
 from xpipe.viz import PANELS, boxes, render, render_text
 from xpipe.viz_cli import main
 
@@ -167,3 +167,20 @@ def test_command_line_draws_any_schedule_with_its_virtual_stages(capsys):
     assert main(["xpipe.models:small_cnn", "--stages", "2", "--chunks", "4", "--schedule", "interleaved",
                  "--virtual", "2", "--out", "-"]) == 0
     assert "interleaved: 2 stages, 4 microbatches, 2 model stages per rank" in capsys.readouterr().out
+
+
+def test_1f1b_under_spmd_is_drawn_in_lockstep_in_its_three_loops(tmp_path, capsys):
+    """``--executor spmd``: each clock holds a forward and a backward on every stage,
+    the loops of S - 1, M and S - 1 clocks named (chunks padded to a multiple of the
+    stages, as the executor pads them)."""
+    assert main(["xpipe.models:small_cnn", "--stages", "2", "--chunks", "3", "--schedule", "1f1b",
+                 "--executor", "spmd", "--out", "-"]) == 0
+    text = capsys.readouterr().out
+    assert "1f1b under spmd: 2 stages, 4 microbatches, 6 clocks in 3 loops, bubble 20.0%" in text
+    assert "loop   F      F+B    F+B    F+B    F+B    B" in text
+    assert "s1     .  .   F0 B0  F1 B1  F2 B2  F3 B3  .  ." in text
+    partition = xpipe.partition(small_cnn(), 2)
+    render(partition, Lockstep(2, 4), tmp_path / "lockstep.html")
+    html = (tmp_path / "lockstep.html").read_text()
+    assert "clock 1, stage 1: backward of microbatch 0" in html and "clock 1, stage 0: no backward" in html
+    assert "1f1b under spmd: 4 microbatches, bubble 20.0%, peak in flight 3 microbatches" in html

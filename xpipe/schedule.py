@@ -365,6 +365,76 @@ def _single(name: str, virtual: int) -> None:
 
 ONE_STAGE_PER_RANK = ("gpipe", "1f1b", "zb-h1")  # the schedules that take only virtual=1
 
+@dataclass(frozen=True)
+class Lockstep:
+    """1F1B as the spmd executor runs it: every stage in step, one program, so a
+    clock can hold a forward and a backward on each stage.
+
+    Stage ``s`` runs the forward of the ``i``-th microbatch to enter at clock
+    ``i + s`` and its backward at clock ``i + 2S - 2 - s`` (the last stage its loss
+    and backward in the clock its forward ends). The clocks fall into three loops
+    (:attr:`loops`): ``S - 1`` of forwards, ``M`` of both, ``S - 1`` of backwards,
+    ``(M + S - 1)(F + B)`` of work in all, as GPipe's table.
+
+        >>> print(Lockstep(stages=2, chunks=3))
+        1f1b under spmd: 2 stages, 3 microbatches, 5 clocks in 3 loops, bubble 25.0%
+        loop   F      F+B    F+B    F+B    B
+        clock  0      1      2      3      4
+        s0     F0 .   F1 .   F2 B0  .  B1  .  B2
+        s1     .  .   F0 B0  F1 B1  F2 B2  .  .
+    """
+
+    stages: int
+    chunks: int
+    name: str = "1f1b under spmd"
+
+    @property
+    def clocks(self) -> int:
+        return self.chunks + 2 * self.stages - 2
+
+    @property
+    def loops(self) -> tuple[tuple[str, int, int], ...]:
+        """Each loop's cells (``"F"``, ``"F+B"``, ``"B"``) and ``[start, end)`` clocks."""
+        warm, steady = self.stages - 1, self.chunks + self.stages - 1
+        return (("F", 0, warm), ("F+B", warm, steady), ("B", steady, self.clocks))
+
+    def forward(self, clock: int, stage: int) -> int | None:
+        """The microbatch whose forward ``stage`` runs at ``clock`` (None: none)."""
+        microbatch = clock - stage
+        return microbatch if 0 <= microbatch < self.chunks else None
+
+    def backward(self, clock: int, stage: int) -> int | None:
+        """The microbatch whose backward ``stage`` runs at ``clock`` (None: none)."""
+        microbatch = clock - (2 * self.stages - 2 - stage)
+        return microbatch if 0 <= microbatch < self.chunks else None
+
+    @property
+    def bubble_fraction(self) -> float:
+        """Idle share of the step's work, with the forward and backward loops costing what
+        their cells do: ``(S - 1) / (M + S - 1)``, GPipe's."""
+        return (self.stages - 1) / (self.chunks + self.stages - 1)
+
+    @property
+    def peak_in_flight(self) -> tuple[int, ...]:
+        """Stage inputs each stage keeps at once: from a forward to its backward."""
+        return tuple(min(self.chunks, 2 * (self.stages - 1 - stage) + 1) for stage in range(self.stages))
+
+    def __str__(self) -> str:
+        head = (f"{self.name}: {self.stages} stages, {self.chunks} microbatches, {self.clocks} clocks in "
+                f"{len(self.loops)} loops, bubble {self.bubble_fraction:.1%}")
+        width = 7
+
+        def cell(clock: int, stage: int) -> str:
+            forward, backward = self.forward(clock, stage), self.backward(clock, stage)
+            return f"{'.' if forward is None else f'F{forward}':<3}{'.' if backward is None else f'B{backward}':<3}"
+
+        lines = [head, "loop   " + "".join(f"{name:<{width}}" * (end - start) for name, start, end in self.loops),
+                 "clock  " + "".join(f"{clock:<{width}}" for clock in range(self.clocks))]
+        lines += [f"s{stage:<5} " + "".join(f"{cell(clock, stage):<{width}}" for clock in range(self.clocks))
+                  for stage in range(self.stages)]
+        return "\n".join(line.rstrip() for line in lines)
+
+
 SCHEDULES: dict[str, Callable[..., Schedule]] = {
     "gpipe": gpipe,
     "1f1b": one_f_one_b,

@@ -32,7 +32,7 @@ from matplotlib.ticker import MaxNLocator  # noqa: E402
 
 from xpipe._format import human  # noqa: E402
 from xpipe.partition import Partition, layer_cost  # noqa: E402
-from xpipe.schedule import BACKWARD, FORWARD, INPUT_GRAD, WEIGHT_GRAD, Schedule  # noqa: E402
+from xpipe.schedule import BACKWARD, FORWARD, INPUT_GRAD, WEIGHT_GRAD, Lockstep, Schedule  # noqa: E402
 
 _OPACITY = {FORWARD: 0.9, INPUT_GRAD: 0.6, BACKWARD: 0.45, WEIGHT_GRAD: 0.3}
 _KIND_NAMES = {FORWARD: "forward", BACKWARD: "backward", INPUT_GRAD: "input gradient (I)",
@@ -72,7 +72,7 @@ def stage_summary(partition: Partition) -> list[dict[str, float]]:
     return rows
 
 
-def render_text(partition: Partition, schedule: Schedule) -> str:
+def render_text(partition: Partition, schedule: Schedule | Lockstep) -> str:
     """The three panels as plain text: the partition, the stage costs, the timeline."""
     lines = [str(partition), "", "per stage: " + ", ".join(title for _, title, _ in METRICS)]
     for stage, row in enumerate(stage_summary(partition)):
@@ -81,7 +81,7 @@ def render_text(partition: Partition, schedule: Schedule) -> str:
     return "\n".join([*lines, "", str(schedule)])
 
 
-def render(partition: Partition, schedule: Schedule, out: str | Path) -> None:
+def render(partition: Partition, schedule: Schedule | Lockstep, out: str | Path) -> None:
     """Write the figure to ``out``; its suffix (.svg, .png, .html) picks the format."""
     path = Path(out)
     suffix = path.suffix.lstrip(".").lower()
@@ -99,7 +99,7 @@ def render(partition: Partition, schedule: Schedule, out: str | Path) -> None:
     plt.close(figure)
 
 
-def draw(partition: Partition, schedule: Schedule) -> tuple[plt.Figure, dict[str, str]]:
+def draw(partition: Partition, schedule: Schedule | Lockstep) -> tuple[plt.Figure, dict[str, str]]:
     """The figure, and hover text by SVG element id."""
     stages = len(partition.balance)
     figure = plt.figure(figsize=(max(12, min(30, schedule.clocks * 0.35)), 5 + 0.45 * stages + 3.5))
@@ -109,7 +109,8 @@ def draw(partition: Partition, schedule: Schedule) -> tuple[plt.Figure, dict[str
     colours = [plt.get_cmap("tab10")(stage % 10) for stage in range(stages)]
     _graph_panel(figure.add_subplot(grid[0]), partition, colours, hover)
     _cost_panel(figure.add_subplot(grid[1]), partition, colours, hover)
-    _schedule_panel(figure.add_subplot(grid[2]), schedule, colours, hover)
+    panel = _lockstep_panel if isinstance(schedule, Lockstep) else _schedule_panel
+    panel(figure.add_subplot(grid[2]), schedule, colours, hover)
     return figure, hover
 
 
@@ -216,6 +217,43 @@ def _schedule_panel(axes, schedule: Schedule, colours, hover: dict[str, str]) ->
                    f"peak in flight {max(schedule.peak_in_flight)} microbatches (read from the table)", fontsize=10)
 
 
+def _lockstep_panel(axes, lockstep: Lockstep, colours, hover: dict[str, str]) -> None:
+    """The spmd executor's 1F1B: each clock a column, its forward in the cell's upper
+    half and its backward in the lower, the three loops shaded and named above."""
+    axes.set_gid(PANELS[2])
+    for loop, (cells, start, end) in enumerate(lockstep.loops):
+        if end > start:
+            axes.axvspan(start, end, facecolor="0.96" if loop % 2 else "white", zorder=0)
+            axes.text((start + end) / 2, -0.15, f"loop {loop + 1}: {end - start} x {cells}", ha="center",
+                      va="bottom", fontsize=7)
+    for clock in range(lockstep.clocks):
+        for stage in range(lockstep.stages):
+            for half, (kind, microbatch) in enumerate(((FORWARD, lockstep.forward(clock, stage)),
+                                                       (BACKWARD, lockstep.backward(clock, stage)))):
+                gid = f"cell-{clock}-{stage}-{kind}"
+                corner = (clock, stage + half / 2)
+                if microbatch is None:
+                    cell = Rectangle(corner, 1, 0.5, facecolor="0.92", hatch="///", edgecolor="0.75", linewidth=0.3)
+                    hover[gid] = f"clock {clock}, stage {stage}: no {_KIND_NAMES[kind]} (bubble)"
+                else:
+                    cell = Rectangle(corner, 1, 0.5, facecolor=colours[stage], alpha=_OPACITY[kind],
+                                     edgecolor="white", linewidth=0.5)
+                    axes.text(clock + 0.5, stage + half / 2 + 0.25, f"{kind}{microbatch}", ha="center",
+                              va="center", fontsize=5)
+                    hover[gid] = f"clock {clock}, stage {stage}: {_KIND_NAMES[kind]} of microbatch {microbatch}"
+                cell.set_gid(gid)
+                axes.add_patch(cell)
+    axes.set_xlim(0, lockstep.clocks)
+    axes.set_ylim(lockstep.stages, -0.5)
+    axes.set_yticks([s + 0.5 for s in range(lockstep.stages)],
+                    [f"stage {s}" for s in range(lockstep.stages)], fontsize=8)
+    axes.xaxis.set_major_locator(MaxNLocator(integer=True))
+    axes.set_xlabel("clock", fontsize=8)
+    axes.set_title(f"{lockstep.name}: {lockstep.chunks} microbatches in three XLA loops, bubble "
+                   f"{lockstep.bubble_fraction:.1%}, stage inputs kept {max(lockstep.peak_in_flight)} at most "
+                   "(a forward above, a backward below, each clock)", fontsize=10)
+
+
 def _layer_hover(partition: Partition, box: Box) -> str:
     nodes = [partition.graph.nodes[name] for name in box.layers]
     span = box.layers[0] if len(box.layers) == 1 else f"{box.layers[0]} .. {box.layers[-1]}"
@@ -247,7 +285,7 @@ def _with_hover(svg: str, hover: dict[str, str]) -> str:
     return ElementTree.tostring(root, encoding="unicode")
 
 
-def _html(svg: str, partition: Partition, schedule: Schedule) -> str:
+def _html(svg: str, partition: Partition, schedule: Schedule | Lockstep) -> str:
     title = f"xpipe: {partition.graph.graph['model']} on {len(partition.balance)} stages"
     return (f"<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\"><title>{title}</title>"
             "<style>body{font-family:sans-serif;margin:1em} svg{max-width:100%;height:auto}</style></head>"
@@ -257,7 +295,7 @@ def _html(svg: str, partition: Partition, schedule: Schedule) -> str:
             f"{svg}</body></html>\n")
 
 
-def _check_matching(partition: Partition, schedule: Schedule) -> None:
+def _check_matching(partition: Partition, schedule: Schedule | Lockstep) -> None:
     if schedule.stages != len(partition.balance):
         raise ValueError(f"schedule: has {schedule.stages} stages but the partition has {len(partition.balance)}; "
                          "build both for the same stage count")

@@ -20,7 +20,8 @@ import torch
 from torch import nn
 
 from xpipe.partition import COSTS, Partition, partition
-from xpipe.schedule import SCHEDULES, by_name
+from xpipe.layout import microbatch_slots
+from xpipe.schedule import SCHEDULES, Lockstep, by_name
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -29,6 +30,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         split = _partition(arguments)
         schedule = by_name(arguments.schedule, len(split.balance), arguments.chunks, arguments.virtual)
+        if arguments.executor == "spmd" and arguments.schedule == "1f1b":  # one program, every stage in step
+            stages = len(split.balance)
+            schedule = Lockstep(stages, stages * microbatch_slots(arguments.chunks, stages))
         from xpipe.viz import render, render_text
 
         if arguments.out == "-":
@@ -52,6 +56,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--input-dtype", choices=("auto", "float32", "int64"), default="auto",
                         help="sample input dtype; auto picks int64 when the first layer embeds tokens")
     parser.add_argument("--schedule", choices=sorted(SCHEDULES), default="gpipe")
+    parser.add_argument("--executor", choices=("devices", "spmd"), default="devices",
+                        help="how 1f1b runs: a cell a device (devices) or in lockstep, three XLA loops (spmd)")
     parser.add_argument("--virtual", type=int, default=1,
                         help="model stages per rank, for interleaved and circular (default: 1)")
     parser.add_argument("--out", required=True, help="FILE.svg, FILE.png, FILE.html, or - for text")

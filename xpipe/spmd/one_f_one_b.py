@@ -50,6 +50,7 @@ from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 from xpipe._xla import while_loop
 from xpipe.collectives import shift
 from xpipe.reduction import declared, loss_fn_items_each
+from xpipe.schedule import Lockstep
 from xpipe.spmd.conveyor import SlotLayout
 from xpipe.spmd.dropout import cell_keys, hashed_dropout
 from xpipe.spmd.lowering import ShardableOps
@@ -58,20 +59,6 @@ from xpipe.spmd.sides import Packing
 
 
 HEAD_SLOT = -1  # the layers after the body draw dropout masks as a block slot of their own would
-
-
-@dataclass(frozen=True)
-class Phases:
-    """The three clock loops of a 1F1B step: ``[start, end)`` clock spans."""
-
-    warmup: tuple[int, int]  # forwards only: S - 1 clocks
-    steady: tuple[int, int]  # a forward and a backward: M clocks
-    cooldown: tuple[int, int]  # backwards only: S - 1 clocks
-
-
-def phases(stages: int, chunks: int) -> Phases:
-    """The loops' spans for ``chunks`` microbatches on ``stages`` stages."""
-    return Phases((0, stages - 1), (stages - 1, chunks + stages - 1), (chunks + stages - 1, chunks + 2 * stages - 2))
 
 
 @dataclass(frozen=True)
@@ -112,27 +99,28 @@ def ring_slots(stages: int) -> int:
 
 def one_f_one_b_tables(stages: int, chunks: int, slots: int) -> OneFOneBTables:
     """The tables for ``chunks`` microbatches (a multiple of ``stages``, ``slots`` of them
-    a stage) on ``stages`` stages."""
-    clocks, width = chunks + 2 * stages - 2, ring_slots(stages)
+    a stage) on ``stages`` stages, read from :class:`xpipe.schedule.Lockstep`."""
+    lockstep = Lockstep(stages, chunks)
+    clocks, width = lockstep.clocks, ring_slots(stages)
     tables = OneFOneBTables(np.zeros((clocks, slots), np.float32), np.zeros((clocks, slots), np.float32),
                             np.zeros((clocks, stages), np.float32), np.zeros((clocks, stages), np.float32),
                             np.zeros((clocks, stages, width), np.float32), np.zeros((clocks, stages, width), np.float32),
                             np.zeros((clocks, stages), np.int64))
     for clock in range(clocks):
-        if clock < chunks:
-            tables.reads[clock, clock // stages] = 1
-        emerged = clock - (2 * stages - 2)  # the microbatch whose gradient leaves stage 0
-        if 0 <= emerged < chunks:
+        entering, emerged = lockstep.forward(clock, 0), lockstep.backward(clock, 0)
+        if entering is not None:
+            tables.reads[clock, entering // stages] = 1
+        if emerged is not None:  # the microbatch whose gradient leaves stage 0
             tables.gradient_writes[clock, emerged // stages] = 1
         for stage in range(stages):
-            forward, backward = clock - stage, clock - (2 * stages - 2 - stage)
-            if 0 <= forward < chunks:
+            forward, backward = lockstep.forward(clock, stage), lockstep.backward(clock, stage)
+            if forward is not None:
                 tables.forwards[clock, stage] = 1
                 tables.stash_writes[clock, stage, forward % width] = 1
-            if 0 <= backward < chunks:
+            if backward is not None:
                 tables.backwards[clock, stage] = 1
                 tables.stash_reads[clock, stage, backward % width] = 1
-            tables.backward_clocks[clock, stage] = min(max(backward + stage, 0), clocks - 1)
+                tables.backward_clocks[clock, stage] = backward + stage
     return tables
 
 
@@ -293,9 +281,8 @@ class OneFOneBStep:
         carry = (first.clone(), torch.zeros_like(first), stash, slots,
                  tuple(torch.zeros_like(w) for w in weights), tuple(_zero_gradient(t) for t in held),
                  torch.zeros(slots.shape[0], dtype=torch.float32, device=device), weights, held, valid, rounds)
-        spans = phases(self.stages, tables.chunks)
-        for (start, end), forward, backward in ((spans.warmup, True, False), (spans.steady, True, True),
-                                                (spans.cooldown, False, True)):
+        for cells, start, end in Lockstep(self.stages, tables.chunks).loops:
+            forward, backward = "F" in cells, "B" in cells
             if end > start:  # the microbatch leaving the last stage: in the steady loop alone
                 head_columns = (shares, columns) if forward and backward else ()
                 columns_now = (*(column[start:end] for column in clock_columns), *head_columns)

@@ -16,7 +16,8 @@ Stage ``s`` keeps a microbatch's stage input from its forward to its backward,
 stashed input (``checkpoint="always"``) and takes its vector-Jacobian product in
 the loop body; the weight gradients add up in the loop's carry, and are reduced
 over each stage's devices once, after the loops, by the backward of the gather
-that gave every device its stage's weights.
+that gave every device its stage's weights (with ``gather="block"``, each slot's
+to its resting shards every clock, as the slot gathers them).
 
 Every device runs the same program: in the steady loop each runs a forward, the
 layers after the body with the loss (whose results count on the last stage only)
@@ -25,14 +26,17 @@ clock, ``S`` times their work in GPipe, where they run once on the whole batch.
 
 How microbatches move: stage 0 reads them from the slot buffer as GPipe's
 conveyor does (:mod:`xpipe.spmd.conveyor`), the ``i``-th to enter from slot
-``i // S`` of stage ``i % S``; the gradient of a stage input leaves stage 0 into a
-second buffer whose column climbs one stage a clock, and comes to rest in stage
-``S - 1 - i % S``, which one flip of the stage axis after the loops puts back
-where the input came from.
+``i // S`` of stage ``i % S``; the gradient of a stage input leaves stage 0 into
+the same buffer, into a column already read empty, which climbs one stage a
+clock: it comes to rest in stage ``S - 1 - i % S``, and one flip of the stage axis
+after the loops puts it back where the input came from.
 
 The loss and every gradient are made in the forward of the step's autograd
 function (:class:`_Step`), the gradients for a loss gradient of one; its backward
-scales them by the loss's actual gradient.
+scales them by the loss's actual gradient. The loss is ``pipe.step``'s
+``loss_fn`` of each microbatch's output and target, or the loss the model itself
+returns (``pipe(..., labels=...)``), each weighted by its share of what the loss
+averages over (:class:`Head`).
 """
 
 from __future__ import annotations
@@ -67,7 +71,8 @@ class OneFOneBTables:
 
     Attributes:
         reads: ``[T, R]`` one-hot: the slot buffer's column stage 0 reads (none once all have entered).
-        gradient_writes: ``[T, R]`` one-hot: the column of the gradient buffer stage 0 writes.
+        gradient_writes: ``[T, R]`` one-hot: the slot buffer's column stage 0 writes an input's
+            gradient into (a column read empty before).
         forwards: ``[T, S]`` 1 where the stage runs a microbatch's forward.
         backwards: ``[T, S]`` 1 where the stage runs a microbatch's backward.
         stash_writes: ``[T, S, W]`` one-hot: the ring slot the stage's input is stashed in.
@@ -187,7 +192,7 @@ class OneFOneBStep:
 
     def __init__(self, placement: Placement, run_stages: Callable[..., torch.Tensor], head: Head,
                  packing: Packing) -> None:
-        self.placement, self.run_stages, self.head_, self.packing = placement, run_stages, head, packing
+        self.placement, self.run_stages, self.head, self.packing = placement, run_stages, head, packing
         self.stages, self.replicas = placement.axes.stage, placement.replicas
         self.output_form: tuple[TreeSpec, int] | None = None  # what the model returns, and where the loss is in it
 
@@ -215,14 +220,14 @@ class OneFOneBStep:
             raise ValueError("target: schedule='1f1b' under the spmd executor takes one target tensor")
         by_entry = self._by_entry(to_slots(leaves[0]), layout)
         shares = self._shares(by_entry, layout, microbatched)
-        rows = tuple(skip for skip, has_rows in zip(skips, self.head_.skip_rows) if has_rows)
+        rows = tuple(skip for skip, has_rows in zip(skips, self.head.skip_rows) if has_rows)
         if any(skip.requires_grad for skip in rows):
             raise ValueError("module: the layers after the body read a tensor with a row per batch row, made before "
                              "the body from the weights; schedule='1f1b' under the spmd executor takes the gradient "
                              "of none such; use schedule='gpipe'")
         columns = tuple(self._by_steady_clock(self._by_entry(to_slots(skip), layout)) for skip in (leaves[0], *rows))
         shares = self._by_steady_clock(shares, on_last_only=True)
-        held = (*post_weights.values(), *(skip for skip, has_rows in zip(skips, self.head_.skip_rows) if not has_rows))
+        held = (*post_weights.values(), *(skip for skip, has_rows in zip(skips, self.head.skip_rows) if not has_rows))
         return _Step.apply(self, tables, tuple(post_weights), seed, slots, valid, columns, shares, len(weights),
                            *weights, *held)
 
@@ -238,9 +243,9 @@ class OneFOneBStep:
         real = _real_pieces(layout, microbatched)  # [S, P, R]
         real = torch.tensor(real.transpose(2, 0, 1).reshape(-1, self.replicas), dtype=torch.float32,
                             device=targets.device)
-        if not self.head_.mean:
+        if not self.head.mean:
             return real
-        counts = self.head_.items(targets) * real
+        counts = self.head.items(targets) * real
         return counts / counts.sum()
 
     def _by_steady_clock(self, by_entry: torch.Tensor, on_last_only: bool = False) -> torch.Tensor:
@@ -299,7 +304,7 @@ class OneFOneBStep:
             return shift(x, direction * self.replicas)
         return x * 0  # nothing moves with one stage; kept in the traced graph
 
-    def head(self, names: tuple[str, ...], held: tuple[torch.Tensor, ...], state: torch.Tensor,
+    def run_head(self, names: tuple[str, ...], held: tuple[torch.Tensor, ...], state: torch.Tensor,
              columns: tuple[torch.Tensor, ...], share: torch.Tensor, keys: torch.Tensor
              ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
         """The layers after the body and the loss on every row group's stage output,
@@ -308,7 +313,7 @@ class OneFOneBStep:
         hold whole (``held``: their weights ``names``, then the whole skips). Their
         dropout masks come from ``keys``, the cell each row group's stage ran
         (:mod:`xpipe.spmd.dropout`), as the blocks' do."""
-        head = self.head_
+        head = self.head
 
         def one_group(x: torch.Tensor, target: torch.Tensor, rows: tuple[torch.Tensor, ...], key: torch.Tensor,
                       *held_: torch.Tensor) -> torch.Tensor:
@@ -426,7 +431,7 @@ class _Clock:
             incoming = down[:, 0]
             if self.forward:  # the last stage's gradient is its loss's, this clock
                 share, head_columns = head
-                loss, from_loss, found = step.head(self.names, held, state, head_columns, share, keys)
+                loss, from_loss, found = step.run_head(self.names, held, state, head_columns, share, keys)
                 incoming = torch.where(last, from_loss, incoming)
                 losses = losses + loss
                 held_grads = tuple(total + g for total, g in zip(held_grads, found))

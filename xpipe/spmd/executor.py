@@ -268,10 +268,11 @@ class SpmdPipeline(nn.Module):
         runner = OneFOneBStep(self.placement, self._clock.stages(self._templates[self.training], entry.packing),
                               head(self.post, fold, self.skip_rows or ()), entry.packing)
         batch_first = partial(self._batch_first, microbatch_dim=microbatch_dim)
-        return runner, runner.loss(self.placement.conveyed(slots), target, skips, entry.layout, entry.microbatched,
+        loss = runner.loss(self.placement.conveyed(slots), target, skips, entry.layout, entry.microbatched,
                            self._step_seed(slots.device), self._clock_weights(entry.constants),
                            self._valid_mask(slots), post_weights,
                            lambda t: to_slots(batch_first(t), entry.layout, entry.microbatched))
+        return runner, loss
 
     def _check_flags_unchanged(self) -> None:
         """``requires_grad`` of a block weight is read once, when the body is stacked."""

@@ -131,9 +131,9 @@ class SpmdPipeline(nn.Module):
         # form the clock loop carries them, with the dtype each is read back in.
         constants = dict(stacked.blocks[0].named_buffers())
         self._carried_constants = [_differentiable(buffer).to(device) for buffer in constants.values()]
-        self._block_parameters = [list(block.named_parameters()) for block in stacked.blocks]
-        self._frozen = [[not p.requires_grad for _, p in named] for named in self._block_parameters]
-        self.body = StackedWeights.from_blocks(stacked.blocks, self._slots(), self.virtual * self.depth, device,
+        self._flags = _RequiresGrad(stacked.blocks)
+        self._block_slots = block_slots(self.per_stage, self.stages, self.depth)
+        self.body = StackedWeights.from_blocks(stacked.blocks, self._block_slots, self.virtual * self.depth, device,
                                                self.placement, options.dims, packed_parts(options.packed))
         self.state = StateMap(self.body, stacked, keys)
         self._clock = ClockBody(self.body, self.placement, mesh, self.side_rows,
@@ -148,13 +148,6 @@ class SpmdPipeline(nn.Module):
         for template in self._templates.values():
             template.train(mode)
         return self
-
-    def _slots(self) -> list[tuple[int, int]]:
-        """The (stage, slot) of each block of the body, in order: model stage ``j``
-        runs on stage ``j % S`` in round ``j // S``, whose blocks fill slots
-        ``round * K`` to ``round * K + K - 1``."""
-        return [(model_stage % self.stages, model_stage // self.stages * self.depth + slot)
-                for model_stage, count in enumerate(self.per_stage) for slot in range(count)]
 
     @property
     def input_names(self) -> tuple[str, ...]:
@@ -185,13 +178,14 @@ class SpmdPipeline(nn.Module):
 
     def _entering(self, inputs: tuple, microbatch_dim: int | None) -> _Entry:
         """The layers before the body on the batch, and the slot buffer they fill."""
-        self._check_flags_unchanged()
+        self._flags.check_unchanged()
         self.state.check_whole()
         if self.exported is not None:
             self.exported.check_mode(self.training)
             self.exported.check_inputs(inputs, microbatch_dim)
         microbatched = microbatch_dim is not None
-        natural = tree_map(partial(self._batch_first, microbatch_dim=microbatch_dim), inputs)
+        device = self.body.weights[0].device
+        natural = tree_map(partial(_batch_first, device=device, microbatch_dim=microbatch_dim), inputs)
         layout = slot_layout(tree_flatten(natural)[0][0].shape[0], self.chunks, self.stages, self.replicas)
         outer = self.placement.gathered_outer([self.pre, self.post])
         with ShardableOps(), self.batch_norm.updating():
@@ -206,11 +200,6 @@ class SpmdPipeline(nn.Module):
         # Features flattened: torch_xla shards tensors of at most 5 dims.
         slots = slots.reshape(self.stages * self.replicas, layout.slots, layout.rows, -1)
         return _Entry(layout, microbatched, packing, slots, constants, tuple(skips), outer)
-
-    def _batch_first(self, x: torch.Tensor, microbatch_dim: int | None) -> torch.Tensor:
-        """``x`` on the device, batch-first (a loader's microbatches one after the other)."""
-        x = x.to(self.body.weights[0].device)
-        return x if microbatch_dim is None else x.movedim(microbatch_dim, 0).flatten(0, 1)
 
     def step(self, inputs: tuple, target: Any, loss_fn: Callable[[Any, Any], torch.Tensor],
              microbatch_dim: int | None) -> torch.Tensor:
@@ -267,22 +256,12 @@ class SpmdPipeline(nn.Module):
         fold = self.exported.folded if self.exported is not None else _unchanged
         runner = OneFOneBStep(self.placement, self._clock.stages(self._templates[self.training], entry.packing),
                               head(self.post, fold, self.skip_rows or ()), entry.packing)
-        batch_first = partial(self._batch_first, microbatch_dim=microbatch_dim)
+        batch_first = partial(_batch_first, device=self.body.weights[0].device, microbatch_dim=microbatch_dim)
         loss = runner.loss(self.placement.conveyed(slots), target, skips, entry.layout, entry.microbatched,
-                           self._step_seed(slots.device), self._clock_weights(entry.constants),
+                           step_seed(self.training, slots.device), self._clock_weights(entry.constants),
                            self._valid_mask(slots), post_weights,
                            lambda t: to_slots(batch_first(t), entry.layout, entry.microbatched))
         return runner, loss
-
-    def _check_flags_unchanged(self) -> None:
-        """``requires_grad`` of a block weight is read once, when the body is stacked."""
-        for named, frozen in zip(self._block_parameters, self._frozen):
-            for (name, parameter), was_frozen in zip(named, frozen):
-                if parameter.requires_grad == was_frozen:
-                    raise ValueError(
-                        f"module: requires_grad of {name!r} changed after the Pipe was built; the spmd "
-                        "executor stacks the blocks' weights when it is built. Set requires_grad before "
-                        "wrapping the model (or build a new Pipe)")
 
     def _run_clocks(self, slots: torch.Tensor, layout: SlotLayout, packing: Packing,
                     constants: tuple[torch.Tensor, ...]) -> torch.Tensor:
@@ -292,7 +271,7 @@ class SpmdPipeline(nn.Module):
         rounds = torch.nn.functional.one_hot(torch.tensor(tables.rounds), self.virtual)  # [T, S, V]
         rounds = rounds.repeat_interleave(self.replicas, 1).to(slots.device, slots.dtype)  # [T, S * P, V]
         clocks = torch.arange(len(reads), dtype=torch.int32, device=slots.device)
-        keys = cell_keys(self._step_seed(slots.device), clocks, self.stages, self.replicas)
+        keys = cell_keys(step_seed(self.training, slots.device), clocks, self.stages, self.replicas)
         state = self.placement.conveyed(slots[:, 0].clone())  # idle cells run real rows (see conveyor)
         carry = (state, slots, self._valid_mask(slots), self._clock_weights(constants))
         plain_from = first_kept_clock(self._forward_schedule, self.checkpoint)
@@ -315,19 +294,58 @@ class SpmdPipeline(nn.Module):
         weights += tuple(self.placement.per_device(_differentiable(c)) for c in constants)  # they ride along
         return weights + tuple(self.placement.per_device(carried) for carried in self._carried_constants)
 
-    def _step_seed(self, device: torch.device) -> torch.Tensor:
-        """A seed for this step's dropout masks, from torch's default generator
-        (``torch.manual_seed`` makes a run repeatable); data, so no recompile."""
-        if not self.training:
-            return torch.zeros((), dtype=torch.int32, device=device)
-        return torch.randint(0, 2**31 - 1, (), dtype=torch.int32).to(device)
-
     def _valid_mask(self, like: torch.Tensor) -> torch.Tensor:
         """``[S * P, V * K]``: 1 where a stage's slot holds a block, 0 for padding slots."""
-        mask = torch.zeros(self.stages, self.virtual * self.depth)
-        for stage, slot in self._slots():
-            mask[stage, slot] = 1
+        mask = slot_mask(self._block_slots, self.stages, self.virtual * self.depth)
         return self.placement.gathered_body(mask.to(like.device, like.dtype))
+
+
+def block_slots(per_stage: tuple[int, ...], stages: int, depth: int) -> list[tuple[int, int]]:
+    """The (stage, slot) of each block of the body, in order, from the blocks of each
+    model stage (``per_stage``): model stage ``j`` runs on stage ``j % S`` in round
+    ``j // S``, whose blocks fill slots ``round * K`` to ``round * K + K - 1``."""
+    return [(model_stage % stages, model_stage // stages * depth + slot)
+            for model_stage, count in enumerate(per_stage) for slot in range(count)]
+
+
+def slot_mask(slots: list[tuple[int, int]], stages: int, width: int) -> torch.Tensor:
+    """``[S, width]``: 1 at each (stage, slot) of ``slots``, 0 for padding slots."""
+    mask = torch.zeros(stages, width)
+    for stage, slot in slots:
+        mask[stage, slot] = 1
+    return mask
+
+
+def step_seed(training: bool, device: torch.device) -> torch.Tensor:
+    """A seed for a step's dropout masks, from torch's default generator
+    (``torch.manual_seed`` makes a run repeatable); data, so no recompile."""
+    if not training:
+        return torch.zeros((), dtype=torch.int32, device=device)
+    return torch.randint(0, 2**31 - 1, (), dtype=torch.int32).to(device)
+
+
+class _RequiresGrad:
+    """The blocks' ``requires_grad`` flags as the body was stacked with them: read once,
+    so that a change after the build is refused rather than ignored."""
+
+    def __init__(self, blocks: list[nn.Module]) -> None:
+        self.named = [list(block.named_parameters()) for block in blocks]
+        self.frozen = [[not p.requires_grad for _, p in named] for named in self.named]
+
+    def check_unchanged(self) -> None:
+        for named, frozen in zip(self.named, self.frozen):
+            for (name, parameter), was_frozen in zip(named, frozen):
+                if parameter.requires_grad == was_frozen:
+                    raise ValueError(
+                        f"module: requires_grad of {name!r} changed after the Pipe was built; the spmd "
+                        "executor stacks the blocks' weights when it is built. Set requires_grad before "
+                        "wrapping the model (or build a new Pipe)")
+
+
+def _batch_first(x: torch.Tensor, device: torch.device, microbatch_dim: int | None) -> torch.Tensor:
+    """``x`` on ``device``, batch-first (a loader's microbatches one after the other)."""
+    x = x.to(device)
+    return x if microbatch_dim is None else x.movedim(microbatch_dim, 0).flatten(0, 1)
 
 
 def _in_microbatches(y: torch.Tensor, chunks: int, microbatch_dim: int) -> torch.Tensor:

@@ -172,3 +172,4 @@ def test_lockstep_1f1b_does_gpipes_work_and_keeps_stage_inputs_by_stage_not_chun
     assert lockstep.bubble_fraction == gpipe(4, 8).bubble_fraction
     assert lockstep.peak_in_flight == (7, 5, 3, 1)
     assert Lockstep(4, 2).peak_in_flight == (2, 2, 2, 1)
+    assert lockstep.ring == Lockstep(4, 2).ring == max(lockstep.peak_in_flight), "one ring for every stage, every M"

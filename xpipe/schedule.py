@@ -364,6 +364,8 @@ def _single(name: str, virtual: int) -> None:
 
 
 ONE_STAGE_PER_RANK = ("gpipe", "1f1b", "zb-h1")  # the schedules that take only virtual=1
+SPMD_SCHEDULES = ("gpipe", "circular", "1f1b")  # those the spmd executor runs (1F1B as Lockstep)
+
 
 @dataclass(frozen=True)
 class Lockstep:
@@ -418,6 +420,12 @@ class Lockstep:
     def peak_in_flight(self) -> tuple[int, ...]:
         """Stage inputs each stage keeps at once: from a forward to its backward."""
         return tuple(min(self.chunks, 2 * (self.stages - 1 - stage) + 1) for stage in range(self.stages))
+
+    @property
+    def ring(self) -> int:
+        """The slots of the ring every device stashes its stage inputs in, one program for
+        all: stage 0 keeps one from its forward until its backward ``2S - 2`` clocks later."""
+        return 2 * self.stages - 1
 
     def __str__(self) -> str:
         head = (f"{self.name}: {self.stages} stages, {self.chunks} microbatches, {self.clocks} clocks in "

@@ -41,7 +41,7 @@ from xpipe._batchnorm import RunningStatistics, normalizes_over_rows
 from xpipe.capture.stacking import StackedModel
 from xpipe.layout import spread
 from xpipe.recompute import first_kept_clock
-from xpipe.schedule import gpipe
+from xpipe.schedule import SPMD_SCHEDULES as SCHEDULES, gpipe
 from xpipe.spmd.clock import ClockBody, SpmdOptions
 from xpipe.spmd.conveyor import SlotLayout, column_tables, from_slots, slot_layout, to_slots
 from xpipe.spmd.dropout import cell_keys
@@ -56,7 +56,6 @@ from xpipe.spmd.stacked_weights import StackedWeights
 from xpipe.spmd.state_map import StateMap
 from xpipe.tensor.packed_projections import packed_parts
 
-SCHEDULES = ("gpipe", "circular", "1f1b")  # the schedules this executor runs
 # Those executor="auto" picks it for: 1F1B here asks for checkpoint="always" and pipe.step.
 AUTO_SCHEDULES = ("gpipe", "circular")
 

@@ -96,17 +96,11 @@ class OneFOneBTables:
         return clocks - 2 * stages + 2
 
 
-def ring_slots(stages: int) -> int:
-    """Stage inputs a device keeps at once: stage 0 keeps one from its forward until its
-    backward ``2S - 2`` clocks later."""
-    return 2 * stages - 1
-
-
 def one_f_one_b_tables(stages: int, chunks: int, slots: int) -> OneFOneBTables:
     """The tables for ``chunks`` microbatches (a multiple of ``stages``, ``slots`` of them
     a stage) on ``stages`` stages, read from :class:`xpipe.schedule.Lockstep`."""
     lockstep = Lockstep(stages, chunks)
-    clocks, width = lockstep.clocks, ring_slots(stages)
+    clocks, width = lockstep.clocks, lockstep.ring
     tables = OneFOneBTables(np.zeros((clocks, slots), np.float32), np.zeros((clocks, slots), np.float32),
                             np.zeros((clocks, stages), np.float32), np.zeros((clocks, stages), np.float32),
                             np.zeros((clocks, stages, width), np.float32), np.zeros((clocks, stages, width), np.float32),
@@ -282,7 +276,7 @@ class OneFOneBStep:
         held = tuple(self.placement.per_device(t) for t in held)
         rounds = torch.ones(slots.shape[0], 1, dtype=slots.dtype, device=device)
         first = slots[:, 0]  # idle cells run real rows (see xpipe.spmd.conveyor)
-        stash = first.unsqueeze(1).expand(-1, ring_slots(self.stages), *first.shape[1:]).clone()
+        stash = first.unsqueeze(1).expand(-1, tables.stash_writes.shape[2], *first.shape[1:]).clone()  # the ring
         carry = (first.clone(), torch.zeros_like(first), stash, slots,
                  tuple(torch.zeros_like(w) for w in weights), tuple(_zero_gradient(t) for t in held),
                  torch.zeros(slots.shape[0], dtype=torch.float32, device=device), weights, held, valid, rounds)

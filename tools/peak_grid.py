@@ -57,6 +57,9 @@ LAYOUTS = {
     "fsdp x tensor, sequence parallel": Layout(2, 1, 2, 2, 4, "gpipe", 1, "except_last", "step", True),
     "tensor, never": Layout(2, 1, 1, 4, 4, "gpipe", 1, "never", "step"),
     "tensor, never, sequence parallel": Layout(2, 1, 1, 4, 4, "gpipe", 1, "never", "step", True),
+    "1f1b, 4 stages x 2 data": Layout(4, 2, 1, 1, 8, "1f1b", 1, "always", "step"),
+    "1f1b, fsdp x tensor": Layout(2, 1, 2, 2, 4, "1f1b", 1, "always", "step"),
+    "1f1b, fsdp, per block": Layout(2, 1, 4, 1, 4, "1f1b", 1, "always", "block"),
 }
 
 

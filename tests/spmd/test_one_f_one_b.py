@@ -28,6 +28,8 @@ from hf_models import assert_gradients_match, gpt2, llama, tokens  # noqa: E402
 from pipe_checks import batch_for, tiny_lm  # noqa: E402
 from tiers import in_full_tier  # noqa: E402
 from xpipe.models import MLPBlock, transformer_lm  # noqa: E402
+from xpipe.planner import Layout, predict, preset  # noqa: E402
+from xpipe.planner.profile import profile_of_model  # noqa: E402
 
 STAGES, DATA = 4, 2
 
@@ -195,12 +197,15 @@ def test_dropout_after_the_body_draws_its_masks_from_the_steps_seed():
     assert losses[0] == losses[1] and losses[0] != losses[2] and plain not in losses, (losses, plain)
 
 
+def audited_model() -> torch.nn.Module:
+    return transformer_lm(blocks=16, width=64, heads=4, seq=128, vocab=64)
+
+
 def audited(schedule: str, chunks: int) -> xpipe.inspect.CommunicationReport:
     """One step of a model whose activations dominate a stage's input (4 blocks a stage,
     128 tokens, 4 heads of width 16: attention's scores are 8 times the stream), two
     rows a device per microbatch, the batch already sharded as a loader gives it."""
-    model = transformer_lm(blocks=16, width=64, heads=4, seq=128, vocab=64)
-    pipe = xpipe.Pipe(model, chunks=chunks, mesh=xpipe.make_mesh(STAGES, DATA), schedule=schedule,
+    pipe = xpipe.Pipe(audited_model(), chunks=chunks, mesh=xpipe.make_mesh(STAGES, DATA), schedule=schedule,
                       checkpoint="always", loss_fn=lm_loss)
     ids = torch.randint(0, 64, (chunks * DATA * 2, 128), generator=torch.Generator().manual_seed(0))
     ids = ids.to(torch_xla.device())
@@ -210,6 +215,7 @@ def audited(schedule: str, chunks: int) -> xpipe.inspect.CommunicationReport:
 
 @pytest.fixture(scope="module")
 def reports():
+    xpipe.make_mesh(STAGES, DATA)  # SPMD on, for a run of these tests alone
     torch_xla.sync()  # what earlier tests left pending stays out of the audited programs
     return {(schedule, chunks): audited(schedule, chunks) for schedule, chunks in
             (("1f1b", 8), ("1f1b", 32), ("gpipe", 32))}
@@ -246,6 +252,18 @@ def test_the_peak_stays_as_chunks_grow_where_gpipes_does_not(reports):
     assert thirty_two <= 0.6 * gpipe, (thirty_two, gpipe)
     flops = reports["1f1b", 32].matmul_flops / reports["gpipe", 32].matmul_flops
     assert abs(flops - 1) < 0.1, flops
+
+
+def test_the_plan_predicts_the_peak_xla_compiles_within_10_percent(reports):
+    """``xpipe.plan``'s peak for the audited 1F1B steps (less the optimizer's state, which
+    the step does not hold): the steady loop's ring, slot buffer, one block of the
+    forward beside the recomputed cell of the backward, and the head's logits."""
+    profile = profile_of_model(audited_model(), torch.randint(0, 64, (2, 128)))
+    for chunks in (8, 32):
+        layout = Layout(STAGES, DATA, 1, 1, chunks, "1f1b", 1, "always")
+        prediction = predict(profile, layout, chip=preset("v5e"), batch=chunks * DATA * 2)
+        predicted, measured = prediction.bytes - prediction.memory["optimizer"], reports["1f1b", chunks].peak_bytes
+        assert abs(predicted - measured) <= 0.1 * measured, (chunks, predicted, measured, prediction.memory)
 
 
 def test_what_it_does_not_run_yet_is_refused_by_name():

@@ -28,9 +28,9 @@ from xpipe.layout import MeshAxes, is_vocabulary_table, loss_segments, microbatc
 from xpipe.planner.accuracy import BANDS, Band, layout_kind
 from xpipe.planner.memory import DeviceMemory, per_device
 from xpipe.planner.profile import ModelProfile, profile_of_config, profile_of_model
-from xpipe.planner.timeline import KINDS, StepTerms, Timeline, step_timeline
+from xpipe.planner.timeline import KINDS, LockstepTerms, StepTerms, Timeline, lockstep_timeline, step_timeline
 from xpipe.recompute import MODES, first_kept_clock
-from xpipe.schedule import Schedule, circular, gpipe
+from xpipe.schedule import SPMD_SCHEDULES, Lockstep, Schedule, circular, gpipe
 from xpipe.tensor.rules import Rules
 
 GiB = 1 << 30
@@ -68,7 +68,7 @@ class Layout:
     fsdp: int
     tensor: int
     chunks: int
-    schedule: str = "gpipe"  # or "circular"
+    schedule: str = "gpipe"  # or "circular", or "1f1b"
     virtual: int = 1  # rounds of the ring (circular)
     checkpoint: str = "except_last"
     gather: str = "step"  # or "block": the body's weights gathered per block slot inside the loop
@@ -305,7 +305,7 @@ def layouts(profile: ModelProfile, devices: int, batch: int, checkpoints: tuple[
                     if batch % (chunks * data * fsdp):
                         continue
                     for schedule, virtual in _schedules(profile.blocks, stages, chunks):
-                        for checkpoint in checkpoints:
+                        for checkpoint in _checkpoints(schedule, checkpoints):
                             yield Layout(stages, data, fsdp, tensor, chunks, schedule, virtual, checkpoint,
                                          sequence_parallel=split_sequence)
                             if fsdp > 1 and checkpoint == "always":  # per block recomputes every block
@@ -320,10 +320,18 @@ def _chunk_counts(stages: int) -> list[int]:
 
 
 def _schedules(blocks: int, stages: int, chunks: int) -> list[tuple[str, int]]:
-    """GPipe, and circular with 2 and 4 rounds where every model stage holds a block
-    and the microbatches fill the ring (as :func:`xpipe.schedule.check_ring_chunks` asks)."""
+    """GPipe; 1F1B with more than one stage; and circular with 2 and 4 rounds where every
+    model stage holds a block and the microbatches fill the ring (as
+    :func:`xpipe.schedule.check_ring_chunks` asks)."""
     ring = stages > 1 and chunks >= stages
-    return [("gpipe", 1)] + [("circular", v) for v in (2, 4) if ring and blocks >= stages * v]
+    one_f_one_b = [("1f1b", 1)] if stages > 1 else []
+    return [("gpipe", 1), *one_f_one_b] + [("circular", v) for v in (2, 4) if ring and blocks >= stages * v]
+
+
+def _checkpoints(schedule: str, checkpoints: tuple[str, ...]) -> tuple[str, ...]:
+    """The policies of ``checkpoints`` the executor runs ``schedule`` with: 1F1B recomputes
+    every stage from its stashed input (:func:`xpipe.spmd.one_f_one_b.check_options`)."""
+    return tuple(c for c in checkpoints if c == "always") if schedule == "1f1b" else checkpoints
 
 
 def predict(profile: ModelProfile, layout: Layout, *, chip: Chip, batch: int, capacity: int | None = None,
@@ -340,14 +348,23 @@ def predict(profile: ModelProfile, layout: Layout, *, chip: Chip, batch: int, ca
     split = [dim is not None for dim in profile.tensor_dims(layout.tensor, tensor_rules)]
     stacked = [(layout.stages, layout.virtual * depth, math.prod(shape)) for _, shape in profile.block_weights]
     check_gather(layout.gather, layout.checkpoint)
+    if layout.schedule not in SPMD_SCHEDULES:
+        raise ValueError(f"layout: schedule {layout.schedule!r} is not one the spmd executor runs; use one of "
+                         f"{', '.join(SPMD_SCHEDULES)}")
+    if layout.schedule == "1f1b" and layout.checkpoint != "always":
+        raise ValueError(f"layout: schedule '1f1b' under the spmd executor recomputes every stage from its stashed "
+                         f"input, checkpoint='always', not {layout.checkpoint!r}; give it checkpoint='always'")
     if layout.sequence_parallel and layout.tensor == 1:
         raise ValueError("layout: sequence_parallel splits the sequence over \"tensor\", and this layout has "
                          "tensor=1; give it tensor > 1, or sequence_parallel=False")
     weights = per_device(stacked=stacked, outer=profile.outer_weights, axes=axes, split=split, itemsize=itemsize,
                          optimizer_states=optimizer_states, gather=layout.gather)
     rows = max(1, -(-batch // (layout.chunks * axes.row_groups)))  # of one microbatch, on one device
-    segments = _loss_segments(profile, layout, batch)
-    timeline = step_timeline(_step_terms(profile, layout, schedule, depth, rows, batch, segments, weights))
+    if layout.schedule == "1f1b":
+        timeline = lockstep_timeline(_lockstep_terms(profile, layout, depth, rows, weights))
+    else:
+        segments = _loss_segments(profile, layout, batch)
+        timeline = step_timeline(_step_terms(profile, layout, schedule, depth, rows, batch, segments, weights))
     memory = timeline.peak.memory
     communication = _communication(profile, layout, schedule, depth, rows, itemsize, split, stacked)
     seconds = _seconds(profile, layout, schedule, depth, rows, batch, chip, communication, weights.resting, slices)
@@ -422,6 +439,31 @@ def _step_terms(profile: ModelProfile, layout: Layout, schedule: Schedule, depth
         recomputing=recomputing, keeping=keeping)
 
 
+def _lockstep_terms(profile: ModelProfile, layout: Layout, depth: int, rows: int,
+                    weights: DeviceMemory) -> LockstepTerms:
+    """The bytes each part of a 1F1B step holds on the busiest device (:class:`LockstepTerms`):
+    the weights gathered for the step with the carry of their gradients (and, where nothing
+    is gathered, every device's own copy of the layers after the body, which the head's
+    gradients add up in); the slot buffer, the ring of ``2S - 1`` stashed stage inputs, the
+    two streams and the stacks each clock's two permutes send; one block of the forward
+    beside one recomputed cell of the backward; one microbatch's logits, whole on each
+    device but for the vocabulary's "tensor" split."""
+    conveyed = rows * profile.stream_bytes_per_row / layout.tensor
+    whole = 0.0 if layout.sequence_parallel else profile.block_stream_saved_bytes_per_row
+    block = rows * (whole + (profile.block_saved_bytes_per_row - whole) / layout.tensor)
+    held = 0 if layout.axes.sharding else 2 * outer_step_numel(profile.outer_weights, layout.axes) * profile.itemsize
+    streams = 2 + 2 * 2  # the forward and backward streams; each permute's stack of a stream and a column
+    slots = microbatch_slots(layout.chunks, layout.stages)
+    buffers = (slots + Lockstep(layout.stages, layout.chunks).ring + streams) * conveyed
+    return LockstepTerms(
+        resting={"parameters": weights.parameters, "gradients": weights.gradients, "optimizer": weights.optimizer},
+        gathered=weights.gathered + held, buffers=int(buffers), forward=int(block),
+        working=int(block if layout.gather == "block" else depth * block),
+        attention_gradient=int(rows * profile.block_attention_bytes_per_row / layout.tensor),
+        head=int(rows * profile.outer_saved_bytes_per_row / layout.tensor),
+        warm_up=layout.stages - 1, steady=layout.stages * slots)
+
+
 def _communication(profile: ModelProfile, layout: Layout, schedule: Schedule, depth: int, rows: int,
                    itemsize: int, split: list[bool], stacked: list[tuple[int, int, int]]) -> dict[str, float]:
     """Bytes one device sends per step along each axis (ring collectives)."""
@@ -440,8 +482,10 @@ def _communication(profile: ModelProfile, layout: Layout, schedule: Schedule, de
     # Each tensor device sends its share of the stream to the next stage, and gathers the whole
     # from its group once per clock it runs: forward, backward, and recomputed forward.
     conveyor_gathers = schedule.clocks + _loop_clocks(schedule, layout.checkpoint)[0]
+    # 1F1B's clocks each send a stream and a slot's column both ways (xpipe.spmd.one_f_one_b).
+    stage_sends = 4 * Lockstep(layout.stages, schedule.chunks).clocks if layout.schedule == "1f1b" else schedule.clocks
     return {
-        "stage": schedule.clocks * packed / axes.tensor if axes.stage > 1 else 0.0,
+        "stage": stage_sends * packed / axes.tensor if axes.stage > 1 else 0.0,
         "fsdp": _ring(axes.fsdp) * fsdp_bytes,
         "data": 2 * _ring(axes.data) * gathered / axes.fsdp,  # all-reduce of the fsdp-sharded gradients
         "tensor": (tensor_reductions * 2 * hidden + conveyor_gathers * packed) * _ring(axes.tensor),
@@ -456,7 +500,10 @@ def _seconds(profile: ModelProfile, layout: Layout, schedule: Schedule, depth: i
     passes = 3 + _recomputes(schedule, layout.checkpoint)  # forward, backward (twice the forward), recomputation
     body_flops = passes * schedule.chunks * layout.virtual * depth * rows * profile.block_flops_per_row
     body = body_flops / layout.tensor / chip.flops / (1 - schedule.bubble_fraction)
-    outer = 3 * layout.outer_rows(batch) * profile.outer_flops_per_row / chip.flops
+    # 1F1B runs the layers after the body on every stage's rows each steady clock: the whole
+    # batch of the stage's row group on every device, S times their work in GPipe.
+    outer_rows = layout.outer_rows(batch) * (layout.stages if layout.schedule == "1f1b" else 1)
+    outer = 3 * outer_rows * profile.outer_flops_per_row / chip.flops
     stage_link = chip.dcn_bandwidth if slices > 1 else chip.ici_bandwidth
     return {"compute": body + outer,
             "stage": communication["stage"] / stage_link,
@@ -489,7 +536,11 @@ def _recomputes(schedule: Schedule, checkpoint: str) -> bool:
 
 @functools.cache
 def _schedule(name: str, stages: int, chunks: int, virtual: int) -> Schedule:
-    return gpipe(stages, chunks) if name == "gpipe" else circular(stages, chunks, virtual)
+    """The table the planner reads clocks, bubble and recomputation from. 1F1B under the
+    spmd executor runs GPipe's clocks of a forward and a backward and its bubble
+    (:class:`xpipe.schedule.Lockstep`), and recomputes every cell: GPipe's table with
+    ``checkpoint="always"`` counts the same."""
+    return circular(stages, chunks, virtual) if name == "circular" else gpipe(stages, chunks)
 
 
 def _divisors(n: int) -> list[int]:

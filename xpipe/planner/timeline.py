@@ -103,3 +103,35 @@ def step_timeline(terms: StepTerms) -> Timeline:
         at(f"backward clock {clock}", stacks, kept, terms.gathered_gradients,
            (terms.working if recomputed else 0) + terms.attention_gradient)
     return Timeline(tuple(moments))
+
+
+@dataclass(frozen=True)
+class LockstepTerms:
+    """The bytes each part of a 1F1B step under the spmd executor holds on one device
+    (:mod:`xpipe.spmd.one_f_one_b`). Its loops keep no stacks that grow with the clocks:
+    each stage input waits in a ring of ``2S - 1`` slots, and every backward recomputes
+    its cell from it."""
+
+    resting: dict[str, int]  # parameters, gradients, optimizer: the whole step
+    gathered: int  # the weights gathered for the step and the carry their gradients add up in
+    buffers: int  # the slot buffer, the ring of stashed inputs and the streams: the whole step
+    forward: int  # what the clock's forward holds while it runs, keeping nothing: one block's activations
+    working: int  # one recomputed cell's activations, in each backward
+    attention_gradient: int  # the gradient of one attention's probabilities, in each backward
+    head: int  # one microbatch's logits and their gradient, in each steady clock
+    warm_up: int  # clocks of forwards alone
+    steady: int  # clocks of a forward, the head and a backward
+
+
+def lockstep_timeline(terms: LockstepTerms) -> Timeline:
+    """The moments of a 1F1B step: one a loop, whose clocks all hold the same."""
+    def at(label: str, activations: int) -> Moment:
+        return Moment(label, {**terms.resting, "gathered": terms.gathered,
+                              "activations": terms.buffers + activations})
+
+    # A steady clock's forward and backward read nothing of each other's: XLA may run them side by side.
+    backward = terms.working + terms.attention_gradient
+    loops = [("warm-up loop (forwards)", terms.warm_up, terms.forward),
+             ("steady loop (forward, head, backward)", terms.steady, terms.forward + terms.head + backward),
+             ("cool-down loop (backwards)", terms.warm_up, backward)]
+    return Timeline(tuple(at(label, activations) for label, clocks, activations in loops if clocks))

@@ -3,9 +3,10 @@
 ``xpipe.plan`` enumerates the spmd executor's layouts (stages x data x fsdp x
 tensor, chunks, schedule, rounds, checkpoint policy) and predicts for each, per
 device: the bytes by kind at the peak of the step's timeline
-(:mod:`xpipe.planner.timeline`: the memory model of :mod:`xpipe.planner.memory`
-for the weights, gradients, optimizer state and the step's gathered copies; the
-activations from the schedule's own table and the model's profile), the
+(:mod:`xpipe.planner.timeline`, its terms from :mod:`xpipe.planner.step_memory`:
+the memory model of :mod:`xpipe.planner.memory` for the weights, gradients,
+optimizer state and the step's gathered copies; the activations from the
+schedule's own table and the model's profile), the
 bubble (the schedule's table), the bytes each mesh axis moves per step, and a
 step time at the chip's stated peak figures. Nothing is built on a device:
 the plan is arithmetic over a :class:`xpipe.planner.profile.ModelProfile`.
@@ -24,11 +25,12 @@ from typing import Any
 from torch import nn
 
 from xpipe._checks import GATHERS, check_gather, check_optimizer_states, check_positive_int
-from xpipe.layout import MeshAxes, is_vocabulary_table, loss_segments, microbatch_slots, outer_step_numel, spread
+from xpipe.layout import MeshAxes, microbatch_slots, outer_step_numel, spread
 from xpipe.planner.accuracy import BANDS, Band, layout_kind
-from xpipe.planner.memory import DeviceMemory, per_device
+from xpipe.planner.memory import per_device
 from xpipe.planner.profile import ModelProfile, profile_of_config, profile_of_model
-from xpipe.planner.timeline import KINDS, LockstepTerms, StepTerms, Timeline, lockstep_timeline, step_timeline
+from xpipe.planner.step_memory import lockstep_terms, step_terms
+from xpipe.planner.timeline import KINDS, Timeline, lockstep_timeline, step_timeline
 from xpipe.recompute import MODES, first_kept_clock
 from xpipe.schedule import SPMD_SCHEDULES, Lockstep, Schedule, circular, gpipe
 from xpipe.tensor.rules import Rules
@@ -361,107 +363,15 @@ def predict(profile: ModelProfile, layout: Layout, *, chip: Chip, batch: int, ca
                          optimizer_states=optimizer_states, gather=layout.gather)
     rows = max(1, -(-batch // (layout.chunks * axes.row_groups)))  # of one microbatch, on one device
     if layout.schedule == "1f1b":
-        timeline = lockstep_timeline(_lockstep_terms(profile, layout, depth, rows, weights))
+        timeline = lockstep_timeline(lockstep_terms(profile, layout, depth, rows, weights))
     else:
-        segments = _loss_segments(profile, layout, batch)
-        timeline = step_timeline(_step_terms(profile, layout, schedule, depth, rows, batch, segments, weights))
+        loops = _loop_clocks(schedule, layout.checkpoint)
+        timeline = step_timeline(step_terms(profile, layout, depth, rows, batch, weights, loops))
     memory = timeline.peak.memory
     communication = _communication(profile, layout, schedule, depth, rows, itemsize, split, stacked)
     seconds = _seconds(profile, layout, schedule, depth, rows, batch, chip, communication, weights.resting, slices)
     return Prediction(layout, memory, schedule.bubble_fraction, communication, seconds,
                       chip.memory if capacity is None else capacity, timeline)
-
-
-def _vocabulary_table(profile: ModelProfile) -> tuple[int, ...] | None:
-    """The largest weight around the body longer than it is wide: the embedding or LM head."""
-    tables = [shape for shape in profile.outer_weights if is_vocabulary_table(shape)]
-    return max(tables, key=math.prod) if tables else None
-
-
-def _loss_segments(profile: ModelProfile, layout: Layout, batch: int) -> int:
-    """The segments the loss runs over on ``layout`` (``xpipe.layout.loss_segments``, the
-    executor's rule), from the logits a device would make for its rows."""
-    table = _vocabulary_table(profile)
-    if table is None:
-        return 1
-    logits = layout.outer_rows(batch) * profile.tokens_per_row * table[0] / layout.tensor
-    return loss_segments(profile.tokens_per_row, logits)
-
-
-def _loss_accumulator_bytes(profile: ModelProfile, axes: MeshAxes) -> int:
-    """The loss over sequence segments adds up the LM head's gradient in float32, each row
-    group on its own devices (``xpipe.spmd.segmented_loss``): a tensor device's share of
-    the vocabulary table, 4 bytes an element."""
-    return 4 * outer_step_numel([_vocabulary_table(profile)], axes)
-
-
-def _step_terms(profile: ModelProfile, layout: Layout, schedule: Schedule, depth: int, rows: int, batch: int,
-                segments: int, weights: DeviceMemory) -> StepTerms:
-    """The bytes each part of the step holds on the busiest device (:class:`StepTerms`):
-    the conveyor's slot buffer and stage state, the inputs each clock of the recomputing
-    loop keeps, everything each clock of the keeping loop saves, one recomputed cell's
-    working set, the layers around the body on the device's rows, and the weights."""
-    stream = rows * profile.stream_bytes_per_row
-    conveyed = stream / layout.tensor  # each tensor device carries its share between stages (Packing.ways)
-    # What one block saves for one microbatch: what is as wide as the stream whole (split by sequence with
-    # sequence parallelism), the rest split.
-    whole = 0.0 if layout.sequence_parallel else profile.block_stream_saved_bytes_per_row
-    block = rows * (whole + (profile.block_saved_bytes_per_row - whole) / layout.tensor)
-    cell = depth * block  # one stage's blocks
-    # What a recomputed cell keeps: its input as the conveyor holds it, or per block (each slot
-    # recomputed on its own) every block's input, whole. Gathered per block, the backward recomputes
-    # one block at a time, each after the gradient it serves (xpipe.spmd.ordering.after_gradient):
-    # one block's activations at once; otherwise the cell's.
-    slot_input = conveyed if layout.sequence_parallel else stream  # a block's input: its slices, or whole
-    recomputed = slot_input * depth if layout.gather == "block" else conveyed
-    working = block if layout.gather == "block" else cell
-    slots = microbatch_slots(layout.chunks, layout.stages)
-    # Every forward clock keeps, on every stage, what its loop keeps: the idle cells run real rows.
-    recomputing, keeping = _loop_clocks(schedule, layout.checkpoint)
-    # The layers around the body: mostly the logits, split by vocabulary over "tensor" (layout.outer_step_spec),
-    # made one sequence segment at a time for the loss (xpipe.spmd.segmented_loss).
-    around = layout.outer_rows(batch) * profile.outer_saved_bytes_per_row / segments / layout.tensor
-    # Gathered once per step, the weights get gradients of their size (per_device counts both); per block,
-    # each slot's gradient is reduced into the resting shard as the backward makes it, and only the outer
-    # layers' is whole.
-    copies = weights.gathered // 2 if layout.gather == "step" else weights.gathered
-    gradients = copies if layout.gather == "step" else weights.gathered_outer
-    # The recomputing loop keeps its cells' inputs, the stage's weights among them (every round's, on a
-    # circular stage); a keeping clock keeps what its cell read: the round's weights.
-    return StepTerms(
-        resting={"parameters": weights.parameters, "gradients": weights.gradients, "optimizer": weights.optimizer},
-        gathered=copies, gathered_gradients=gradients, outer_gradients=weights.gathered_outer,
-        kept_weights=weights.kept_per_clock, kept_round_weights=weights.kept_per_clock // layout.virtual,
-        conveyor=int((slots + 1) * conveyed), recomputing_input=int(recomputed), keeping_cell=int(cell),
-        working=int(working), attention_gradient=int(rows * profile.block_attention_bytes_per_row / layout.tensor),
-        loss=int(around),
-        loss_accumulator=_loss_accumulator_bytes(profile, layout.axes) if segments > 1 else 0,
-        recomputing=recomputing, keeping=keeping)
-
-
-def _lockstep_terms(profile: ModelProfile, layout: Layout, depth: int, rows: int,
-                    weights: DeviceMemory) -> LockstepTerms:
-    """The bytes each part of a 1F1B step holds on the busiest device (:class:`LockstepTerms`):
-    the weights gathered for the step with the carry of their gradients (and, where nothing
-    is gathered, every device's own copy of the layers after the body, which the head's
-    gradients add up in); the slot buffer, the ring of ``2S - 1`` stashed stage inputs, the
-    two streams and the stacks each clock's two permutes send; one block of the forward
-    beside one recomputed cell of the backward; one microbatch's logits, whole on each
-    device but for the vocabulary's "tensor" split."""
-    conveyed = rows * profile.stream_bytes_per_row / layout.tensor
-    whole = 0.0 if layout.sequence_parallel else profile.block_stream_saved_bytes_per_row
-    block = rows * (whole + (profile.block_saved_bytes_per_row - whole) / layout.tensor)
-    held = 0 if layout.axes.sharding else 2 * outer_step_numel(profile.outer_weights, layout.axes) * profile.itemsize
-    streams = 2 + 2 * 2  # the forward and backward streams; each permute's stack of a stream and a column
-    slots = microbatch_slots(layout.chunks, layout.stages)
-    buffers = (slots + Lockstep(layout.stages, layout.chunks).ring + streams) * conveyed
-    return LockstepTerms(
-        resting={"parameters": weights.parameters, "gradients": weights.gradients, "optimizer": weights.optimizer},
-        gathered=weights.gathered + held, buffers=int(buffers), forward=int(block),
-        working=int(block if layout.gather == "block" else depth * block),
-        attention_gradient=int(rows * profile.block_attention_bytes_per_row / layout.tensor),
-        head=int(rows * profile.outer_saved_bytes_per_row / layout.tensor),
-        warm_up=layout.stages - 1, steady=layout.stages * slots)
 
 
 def _communication(profile: ModelProfile, layout: Layout, schedule: Schedule, depth: int, rows: int,

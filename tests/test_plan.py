@@ -243,8 +243,9 @@ def test_1f1b_is_planned_recomputing_every_cell_with_a_ring_of_stage_inputs_not_
     stage and ``checkpoint="always"`` only; a moment per loop, the steady one the peak.
     From 8 to 32 microbatches of fixed rows its activations grow by the slot buffer
     alone, where GPipe's keep every microbatch's; GPipe's bubble, the layers after the
-    body on every stage's rows (S times GPipe's rows), and a stream and a slot's column
-    sent each way every clock."""
+    body on the pieces the exiting microbatch is cut into (two rows a device: 2 pieces
+    of 4 stages, so twice GPipe's rows), a stream and a slot's column sent each way
+    every clock, and each steady clock one piece down and its gradient back."""
     result = xpipe.plan(LlamaConfig(**SMALL), devices=8, batch=64)
     listed = [p.layout for p in result.fitting + result.refused if p.layout.schedule == "1f1b"]
     assert listed and all(layout.stages > 1 and layout.checkpoint == "always" for layout in listed)
@@ -271,8 +272,10 @@ def test_1f1b_is_planned_recomputing_every_cell_with_a_ring_of_stage_inputs_not_
     with pytest.raises(ValueError, match="layout: schedule 'zb-h1' is not one the spmd executor runs"):
         predict(profile, Layout(4, 2, 1, 1, 8, "zb-h1"), chip=preset("v5e"), batch=32)
     rows = 32 * 2 * 2 // 8  # a device's rows in GPipe: the batch over stage x data
-    assert head == pytest.approx(3 * (4 - 1) * rows * profile.outer_flops_per_row / preset("v5e").flops)
-    assert one_f_one_b[32].communication["stage"] == 4 * (32 + 2 * 4 - 2) * stage_input
+    assert xpipe.schedule.Lockstep(4, 32).head_pieces(2) == 2
+    assert head == pytest.approx(3 * (4 / 2 - 1) * rows * profile.outer_flops_per_row / preset("v5e").flops)
+    pieces_sent = 2 * 32 * stage_input / 2
+    assert one_f_one_b[32].communication["stage"] == 4 * (32 + 2 * 4 - 2) * stage_input + pieces_sent
 
 
 def test_the_timeline_of_a_listed_layout_marks_the_plans_peak(tmp_path, capsys):

@@ -173,3 +173,7 @@ def test_lockstep_1f1b_does_gpipes_work_and_keeps_stage_inputs_by_stage_not_chun
     assert lockstep.peak_in_flight == (7, 5, 3, 1)
     assert Lockstep(4, 2).peak_in_flight == (2, 2, 2, 1)
     assert lockstep.ring == Lockstep(4, 2).ring == max(lockstep.peak_in_flight), "one ring for every stage, every M"
+    # The exiting microbatch's rows on a device, cut for the layers after the body: as many
+    # pieces as split evenly, one a stage at most.
+    assert [lockstep.head_pieces(rows) for rows in (1, 2, 3, 4, 6, 8, 12)] == [1, 2, 3, 4, 3, 4, 4]
+    assert Lockstep(1, 8).head_pieces(4) == 1

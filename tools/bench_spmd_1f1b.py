@@ -4,8 +4,9 @@
     python tools/bench_spmd_1f1b.py --chunks 16
 
 On the 4 (stage) x 2 (data) mesh of 8 emulated devices, xpipe's transformer LM of
-16 blocks (width 64, 4 heads, 128 tokens, vocabulary 64; 4 blocks a stage), two rows
-a device per microbatch, the batch sharded as a loader gives it, ``pipe.step`` with
+16 blocks (width 64, 4 heads, 64 tokens, vocabulary 64; 4 blocks a stage), four rows
+a device per microbatch (1F1B cuts the exiting microbatch into a row a stage for the
+layers after the body), the batch sharded as a loader gives it, ``pipe.step`` with
 ``checkpoint="always"`` (all 1F1B runs). For each schedule and chunk count it prints
 the median of 5 steps after the first, the matrix products' floating-point
 operations on one device (``xpipe.inspect.matmul_flops``: the optimized program's
@@ -37,7 +38,7 @@ import torch_xla.distributed.spmd as xs  # noqa: E402
 from xpipe._xla import wait_device_ops  # noqa: E402
 from xpipe.models import transformer_lm  # noqa: E402
 
-STAGES, DATA, ROWS, SEQ, VOCAB = 4, 2, 2, 128, 64
+STAGES, DATA, ROWS, SEQ, VOCAB = 4, 2, 4, 64, 64  # the model of tests/spmd/test_one_f_one_b.py's audit
 
 
 def lm_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:

@@ -427,6 +427,14 @@ class Lockstep:
         all: stage 0 keeps one from its forward until its backward ``2S - 2`` clocks later."""
         return 2 * self.stages - 1
 
+    def head_pieces(self, rows: int) -> int:
+        """Into how many pieces the microbatch leaving the last stage is cut for the layers
+        after the body, one to each of the last stages: the most, up to ``S``, that a
+        device's ``rows`` of it split into evenly. Each device then runs those layers on
+        ``rows / pieces`` rows a steady clock: ``S / pieces`` times their work in GPipe.
+        """
+        return max(pieces for pieces in range(1, self.stages + 1) if rows % pieces == 0)
+
     def __str__(self) -> str:
         head = (f"{self.name}: {self.stages} stages, {self.chunks} microbatches, {self.clocks} clocks in "
                 f"{len(self.loops)} loops, bubble {self.bubble_fraction:.1%}")

@@ -392,8 +392,7 @@ def _communication(profile: ModelProfile, layout: Layout, schedule: Schedule, de
     # Each tensor device sends its share of the stream to the next stage, and gathers the whole
     # from its group once per clock it runs: forward, backward, and recomputed forward.
     conveyor_gathers = schedule.clocks + _loop_clocks(schedule, layout.checkpoint)[0]
-    # 1F1B's clocks each send a stream and a slot's column both ways (xpipe.spmd.one_f_one_b).
-    stage_sends = 4 * Lockstep(layout.stages, schedule.chunks).clocks if layout.schedule == "1f1b" else schedule.clocks
+    stage_sends = _lockstep_sends(layout, schedule, rows) if layout.schedule == "1f1b" else schedule.clocks
     return {
         "stage": stage_sends * packed / axes.tensor if axes.stage > 1 else 0.0,
         "fsdp": _ring(axes.fsdp) * fsdp_bytes,
@@ -410,15 +409,33 @@ def _seconds(profile: ModelProfile, layout: Layout, schedule: Schedule, depth: i
     passes = 3 + _recomputes(schedule, layout.checkpoint)  # forward, backward (twice the forward), recomputation
     body_flops = passes * schedule.chunks * layout.virtual * depth * rows * profile.block_flops_per_row
     body = body_flops / layout.tensor / chip.flops / (1 - schedule.bubble_fraction)
-    # 1F1B runs the layers after the body on every stage's rows each steady clock: the whole
-    # batch of the stage's row group on every device, S times their work in GPipe.
-    outer_rows = layout.outer_rows(batch) * (layout.stages if layout.schedule == "1f1b" else 1)
+    outer_rows = layout.outer_rows(batch) * _head_repeats(layout, schedule, rows)
     outer = 3 * outer_rows * profile.outer_flops_per_row / chip.flops
     stage_link = chip.dcn_bandwidth if slices > 1 else chip.ici_bandwidth
     return {"compute": body + outer,
             "stage": communication["stage"] / stage_link,
             **{axis: communication[axis] / chip.ici_bandwidth for axis in ("fsdp", "data", "tensor")},
             "optimizer": 2 * resting / chip.hbm_bandwidth}
+
+
+def _lockstep_sends(layout: Layout, schedule: Schedule, rows: int) -> float:
+    """Microbatch streams one device sends along "stage" in a 1F1B step
+    (:mod:`xpipe.spmd.one_f_one_b`): each clock a stream and a slot's column both ways;
+    each steady clock, where the microbatch leaving the last stage is cut into
+    ``pieces`` over the stages for the layers after the body, all pieces but the last
+    stage's down and their gradients back."""
+    lockstep = Lockstep(layout.stages, schedule.chunks)
+    pieces = lockstep.head_pieces(rows)
+    return 4 * lockstep.clocks + 2 * (pieces - 1) / pieces * schedule.chunks
+
+
+def _head_repeats(layout: Layout, schedule: Schedule, rows: int) -> float:
+    """How many times a step runs the layers after the body on each row: once, or under
+    1F1B ``S / pieces`` times, where a device's ``rows`` of the microbatch leaving the
+    last stage are cut into ``pieces`` over the stages (every device runs a piece)."""
+    if layout.schedule != "1f1b":
+        return 1
+    return layout.stages / Lockstep(layout.stages, schedule.chunks).head_pieces(rows)
 
 
 def _ring(size: int) -> float:

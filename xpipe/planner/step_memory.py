@@ -95,19 +95,21 @@ def lockstep_terms(profile: ModelProfile, layout: Layout, depth: int, rows: int,
     is gathered, every device's own copy of the layers after the body, which the head's
     gradients add up in); the slot buffer, the ring of ``2S - 1`` stashed stage inputs, the
     two streams and the stacks each clock's two permutes send; one block of the forward
-    beside one recomputed cell of the backward; one microbatch's logits, whole on each
-    device but for the vocabulary's "tensor" split."""
+    beside one recomputed cell of the backward; one microbatch's logits, split over the
+    stages where its rows are cut for the head (:meth:`xpipe.schedule.Lockstep.head_pieces`)
+    and by vocabulary over "tensor"."""
     conveyed = rows * profile.stream_bytes_per_row / layout.tensor
     block = _block_saved(profile, layout, rows)
     held = 0 if layout.axes.sharding else 2 * outer_step_numel(profile.outer_weights, layout.axes) * profile.itemsize
     streams = 2 + 2 * 2  # the forward and backward streams; each permute's stack of a stream and a column
     slots = microbatch_slots(layout.chunks, layout.stages)
-    buffers = (slots + Lockstep(layout.stages, layout.chunks).ring + streams) * conveyed
+    lockstep = Lockstep(layout.stages, layout.chunks)
+    buffers = (slots + lockstep.ring + streams) * conveyed
     return LockstepTerms(
         resting=_resting(weights), gathered=weights.gathered + held, buffers=int(buffers), forward=int(block),
         working=int(block if layout.gather == "block" else depth * block),
         attention_gradient=int(rows * profile.block_attention_bytes_per_row / layout.tensor),
-        head=int(rows * profile.outer_saved_bytes_per_row / layout.tensor),
+        head=int(rows / lockstep.head_pieces(rows) * profile.outer_saved_bytes_per_row / layout.tensor),
         warm_up=layout.stages - 1, steady=layout.stages * slots)
 
 

@@ -20,9 +20,13 @@ that gave every device its stage's weights (with ``gather="block"``, each slot's
 to its resting shards every clock, as the slot gathers them).
 
 Every device runs the same program: in the steady loop each runs a forward, the
-layers after the body with the loss (whose results count on the last stage only)
-and a backward. The layers after the body so run on every stage's rows each
-clock, ``S`` times their work in GPipe, where they run once on the whole batch.
+layers after the body with the loss, and a backward. The microbatch leaving the
+last stage is cut into as many pieces of its rows as split evenly, up to ``S``
+(:meth:`xpipe.schedule.Lockstep.head_pieces`), one to each of the last stages
+(a collective-permute a piece sent on; its gradient comes back the same way), so
+that each device runs those layers on ``1/pieces`` of it: with ``S`` pieces the
+step does their work once, as GPipe does. The stages given no piece run them on
+rows of their own, and their results are dropped.
 
 How microbatches move: stage 0 reads them from the slot buffer as GPipe's
 conveyor does (:mod:`xpipe.spmd.conveyor`), the ``i``-th to enter from slot
@@ -56,6 +60,7 @@ from xpipe.collectives import shift
 from xpipe.reduction import declared, loss_fn_items_each
 from xpipe.schedule import Lockstep
 from xpipe.spmd.conveyor import SlotLayout
+from xpipe.spmd.lockstep_tables import OneFOneBTables, one_f_one_b_tables
 from xpipe.spmd.dropout import cell_keys, hashed_dropout
 from xpipe.spmd.lowering import ShardableOps
 from xpipe.spmd.placement import Placement
@@ -63,64 +68,6 @@ from xpipe.spmd.sides import Packing
 
 
 HEAD_SLOT = -1  # the layers after the body draw dropout masks as a block slot of their own would
-
-
-@dataclass(frozen=True)
-class OneFOneBTables:
-    """Per clock ``t`` of the ``T = M + 2S - 2`` clocks of a step, what each stage does.
-
-    Attributes:
-        reads: ``[T, R]`` one-hot: the slot buffer's column stage 0 reads (none once all have entered).
-        gradient_writes: ``[T, R]`` one-hot: the slot buffer's column stage 0 writes an input's
-            gradient into (a column read empty before).
-        forwards: ``[T, S]`` 1 where the stage runs a microbatch's forward.
-        backwards: ``[T, S]`` 1 where the stage runs a microbatch's backward.
-        stash_writes: ``[T, S, W]`` one-hot: the ring slot the stage's input is stashed in.
-        stash_reads: ``[T, S, W]`` one-hot: the ring slot its backward reads.
-        backward_clocks: ``[T, S]`` the clock of the forward the stage's backward recomputes
-            (its dropout masks are that clock's).
-    """
-
-    reads: np.ndarray
-    gradient_writes: np.ndarray
-    forwards: np.ndarray
-    backwards: np.ndarray
-    stash_writes: np.ndarray
-    stash_reads: np.ndarray
-    backward_clocks: np.ndarray
-
-    @property
-    def chunks(self) -> int:
-        """``M``: microbatches the step runs."""
-        clocks, stages = self.forwards.shape
-        return clocks - 2 * stages + 2
-
-
-def one_f_one_b_tables(stages: int, chunks: int, slots: int) -> OneFOneBTables:
-    """The tables for ``chunks`` microbatches (a multiple of ``stages``, ``slots`` of them
-    a stage) on ``stages`` stages, read from :class:`xpipe.schedule.Lockstep`."""
-    lockstep = Lockstep(stages, chunks)
-    clocks, width = lockstep.clocks, lockstep.ring
-    tables = OneFOneBTables(np.zeros((clocks, slots), np.float32), np.zeros((clocks, slots), np.float32),
-                            np.zeros((clocks, stages), np.float32), np.zeros((clocks, stages), np.float32),
-                            np.zeros((clocks, stages, width), np.float32), np.zeros((clocks, stages, width), np.float32),
-                            np.zeros((clocks, stages), np.int64))
-    for clock in range(clocks):
-        entering, emerged = lockstep.forward(clock, 0), lockstep.backward(clock, 0)
-        if entering is not None:
-            tables.reads[clock, entering // stages] = 1
-        if emerged is not None:  # the microbatch whose gradient leaves stage 0
-            tables.gradient_writes[clock, emerged // stages] = 1
-        for stage in range(stages):
-            forward, backward = lockstep.forward(clock, stage), lockstep.backward(clock, stage)
-            if forward is not None:
-                tables.forwards[clock, stage] = 1
-                tables.stash_writes[clock, stage, forward % width] = 1
-            if backward is not None:
-                tables.backwards[clock, stage] = 1
-                tables.stash_reads[clock, stage, backward % width] = 1
-                tables.backward_clocks[clock, stage] = backward + stage
-    return tables
 
 
 def check_loss_fn(loss_fn: Callable[..., Any]) -> None:
@@ -212,18 +159,20 @@ class OneFOneBStep:
         leaves, _ = tree_flatten(target)
         if len(leaves) != 1 or not isinstance(leaves[0], torch.Tensor):
             raise ValueError("target: schedule='1f1b' under the spmd executor takes one target tensor")
-        by_entry = self._by_entry(to_slots(leaves[0]), layout)
-        shares = self._shares(by_entry, layout, microbatched)
+        pieces = Lockstep(self.stages, layout.padded_chunks).head_pieces(layout.rows)
+        by_piece = self._by_piece(self._by_entry(to_slots(leaves[0]), layout), pieces)
+        shares = self._shares(by_piece, layout, microbatched)
         rows = tuple(skip for skip, has_rows in zip(skips, self.head.skip_rows) if has_rows)
         if any(skip.requires_grad for skip in rows):
             raise ValueError("module: the layers after the body read a tensor with a row per batch row, made before "
                              "the body from the weights; schedule='1f1b' under the spmd executor takes the gradient "
                              "of none such; use schedule='gpipe'")
-        columns = tuple(self._by_steady_clock(self._by_entry(to_slots(skip), layout)) for skip in (leaves[0], *rows))
-        shares = self._by_steady_clock(shares, on_last_only=True)
+        columns = tuple(self._by_steady_clock(self._by_piece(self._by_entry(to_slots(skip), layout), pieces))
+                        for skip in (leaves[0], *rows))
+        shares = self._by_steady_clock(shares, idle_zero=True)
         held = (*post_weights.values(), *(skip for skip, has_rows in zip(skips, self.head.skip_rows) if not has_rows))
-        return _Step.apply(self, tables, tuple(post_weights), seed, slots, valid, columns, shares, len(weights),
-                           *weights, *held)
+        return _Step.apply(self, tables, tuple(post_weights), seed, slots, valid, columns, shares, pieces,
+                           len(weights), *weights, *held)
 
     def _by_entry(self, grid: torch.Tensor, layout: SlotLayout) -> torch.Tensor:
         """``[S * P * R * rows, ...]`` in slot order -> ``[M, P, rows, ...]`` in the order
@@ -232,35 +181,43 @@ class OneFOneBStep:
         grid = grid.reshape(self.stages, self.replicas, layout.slots, layout.rows, *grid.shape[1:])
         return grid.movedim(2, 0).flatten(0, 1)
 
+    @staticmethod
+    def _by_piece(by_entry: torch.Tensor, pieces: int) -> torch.Tensor:
+        """``[M, P, rows, ...] -> [M, P, pieces, rows / pieces, ...]``: each row group's
+        rows of a microbatch cut into the pieces the stages take the loss of."""
+        return by_entry.unflatten(2, (pieces, -1))
+
     def _shares(self, targets: torch.Tensor, layout: SlotLayout, microbatched: bool) -> torch.Tensor:
-        """``[M, P]``: each row group's share of the step's loss, per microbatch (0 for padding)."""
+        """``[M, P, pieces]``: each piece's share of the step's loss, per microbatch (0 for
+        padding), from the targets laid out ``[M, P, pieces, rows / pieces, ...]``."""
         real = _real_pieces(layout, microbatched)  # [S, P, R]
-        real = torch.tensor(real.transpose(2, 0, 1).reshape(-1, self.replicas), dtype=torch.float32,
-                            device=targets.device)
+        real = torch.tensor(real.transpose(2, 0, 1).reshape(-1, self.replicas, 1), dtype=torch.float32,
+                            device=targets.device).expand(*targets.shape[:3])
         if not self.head.mean:
             return real
-        counts = self.head.items(targets) * real
+        counts = self.head.items(targets.flatten(1, 2)).view(real.shape) * real
         return counts / counts.sum()
 
-    def _by_steady_clock(self, by_entry: torch.Tensor, on_last_only: bool = False) -> torch.Tensor:
-        """``[M, P, ...] -> [M, S * P, ...]``: per clock of the steady loop, the microbatch
-        leaving the last stage (the ``k``-th clock's is the ``k``-th to have entered), on
-        every stage's devices (the others' losses are dropped), or with ``on_last_only``
-        on the last stage's alone and zeros elsewhere."""
-        spread = by_entry.unsqueeze(1).expand(-1, self.stages, *by_entry.shape[1:])
-        if on_last_only:
-            stage = torch.arange(self.stages, device=by_entry.device).view(1, -1, *[1] * (by_entry.dim() - 1))
-            spread = torch.where(stage == self.stages - 1, spread, torch.zeros_like(spread))
-        spread = spread.flatten(1, 2)
+    def _by_steady_clock(self, by_piece: torch.Tensor, idle_zero: bool = False) -> torch.Tensor:
+        """``[M, P, pieces, ...] -> [M, S * P, ...]``: per clock of the steady loop, the
+        microbatch leaving the last stage (the ``k``-th clock's is the ``k``-th to have
+        entered), its ``j``-th piece on stage ``S - pieces + j``'s devices; on the stages
+        before those (whose results are dropped) a copy of its first piece, or with
+        ``idle_zero`` zeros."""
+        idle = by_piece[:, :, :1].expand(-1, -1, self.stages - by_piece.shape[2], *by_piece.shape[3:])
+        if idle_zero:
+            idle = torch.zeros_like(idle)
+        spread = torch.cat([idle, by_piece], 2).movedim(2, 1).flatten(1, 2)
         return self.placement.annotated(spread, (None, self.placement.batch_axes, *[None] * (spread.dim() - 2)))
 
     def run(self, tables: OneFOneBTables, names: tuple[str, ...], seed: torch.Tensor, slots: torch.Tensor,
-            valid: torch.Tensor, columns: tuple[torch.Tensor, ...], shares: torch.Tensor,
+            valid: torch.Tensor, columns: tuple[torch.Tensor, ...], shares: torch.Tensor, pieces: int,
             weights: tuple[torch.Tensor, ...], held: tuple[torch.Tensor, ...]
             ) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
         """The three loops: the step's loss, and the gradients of the slot buffer, the
         blocks' weights and what the layers after the body hold whole (their weights
-        ``names``, then the whole skips), for a loss gradient of one."""
+        ``names``, then the whole skips), for a loss gradient of one. ``pieces``: how the
+        microbatch leaving the last stage is cut (:meth:`xpipe.schedule.Lockstep.head_pieces`)."""
         device, replicas = slots.device, self.replicas
         clocks = len(tables.reads)
 
@@ -285,7 +242,7 @@ class OneFOneBStep:
             if end > start:  # the microbatch leaving the last stage: in the steady loop alone
                 head_columns = (shares, columns) if forward and backward else ()
                 columns_now = (*(column[start:end] for column in clock_columns), *head_columns)
-                carry, _ = while_loop(_Clock(self, names, forward, backward), carry, columns_now)
+                carry, _ = while_loop(_Clock(self, names, pieces, forward, backward), carry, columns_now)
         gradients, weight_grads, held_grads, losses = carry[3], carry[4], carry[5], carry[6]
         # The gradient of the i-th microbatch to enter rests in stage S - 1 - i % S: flipped back to stage i % S.
         gradients = gradients.unflatten(0, (self.stages, replicas)).flip(0).flatten(0, 1)
@@ -299,13 +256,14 @@ class OneFOneBStep:
         return x * 0  # nothing moves with one stage; kept in the traced graph
 
     def run_head(self, names: tuple[str, ...], held: tuple[torch.Tensor, ...], state: torch.Tensor,
-             columns: tuple[torch.Tensor, ...], share: torch.Tensor, keys: torch.Tensor
-             ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
-        """The layers after the body and the loss on every row group's stage output,
-        each weighted by its ``share`` (0 off the last stage): the losses ``[S * P]``,
-        the gradient of the stage output and of each row group's copy of what they
-        hold whole (``held``: their weights ``names``, then the whole skips). Their
-        dropout masks come from ``keys``, the cell each row group's stage ran
+                 pieces: int, columns: tuple[torch.Tensor, ...], share: torch.Tensor, keys: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+        """The layers after the body and the loss on the last stage's output, cut into
+        ``pieces`` over the last stages (:meth:`_spread`), each weighted by its ``share``
+        (0 on the stages given no piece): the losses ``[S * P]``, the gradient of the
+        stage output (the last stage's; zeros elsewhere) and of each row group's copy of
+        what they hold whole (``held``: their weights ``names``, then the whole skips).
+        Their dropout masks come from ``keys``, the cell each row group's stage ran
         (:mod:`xpipe.spmd.dropout`), as the blocks' do."""
         head = self.head
 
@@ -324,12 +282,29 @@ class OneFOneBStep:
         with torch.enable_grad():
             leaves = [state.detach().requires_grad_(),
                       *(t.detach().requires_grad_() if t.is_floating_point() else t for t in held)]
-            losses = torch.vmap(one_group)(leaves[0], columns[0], columns[1:], keys, *leaves[1:])
+            losses = torch.vmap(one_group)(self._spread(leaves[0], pieces), columns[0], columns[1:], keys,
+                                           *leaves[1:])
             losses = torch.where(share > 0, losses * share.float(), torch.zeros_like(losses))
             wanted = [leaf for leaf in leaves if leaf.requires_grad]
             found = iter(torch.autograd.grad(losses.sum(), wanted, allow_unused=True))
         found = [_zero_gradient(leaf) if not leaf.requires_grad else _or_zero(next(found), leaf) for leaf in leaves]
         return losses.detach(), found[0], found[1:]
+
+
+    def _spread(self, state: torch.Tensor, pieces: int) -> torch.Tensor:
+        """``[S * P, rows, ...] -> [S * P, rows / pieces, ...]``: the last stage's rows cut
+        into ``pieces``, the ``j``-th on stage ``S - pieces + j`` (the stages before keep a
+        piece of their own). The ``k``-th of ``pieces - 1`` collective-permutes moves every
+        stage's piece ``pieces - 1 - k`` down ``k`` stages, where stage ``S - 1 - k`` keeps
+        what came from the last; the gradient returns by the opposite permutes."""
+        cut = state.unflatten(1, (pieces, -1))
+        device = torch.arange(state.shape[0], device=state.device).view(-1, *[1] * (state.dim() - 1))
+        stage = device.div(self.replicas, rounding_mode="floor")
+        spread = cut[:, -1]
+        for down in range(1, pieces):
+            moved = shift(cut[:, pieces - 1 - down], -down * self.replicas)
+            spread = torch.where(stage == self.stages - 1 - down, moved, spread)
+        return spread
 
 
 def check_even_rows(layout: SlotLayout) -> None:
@@ -399,8 +374,9 @@ class _Clock:
     """The body of one of the three loops: a forward, a backward, or both (with the
     layers after the body and the loss, for the microbatch leaving the last stage)."""
 
-    def __init__(self, step: OneFOneBStep, names: tuple[str, ...], forward: bool, backward: bool) -> None:
-        self.step, self.names, self.forward, self.backward = step, names, forward, backward
+    def __init__(self, step: OneFOneBStep, names: tuple[str, ...], pieces: int, forward: bool, backward: bool
+                 ) -> None:
+        self.step, self.names, self.pieces, self.forward, self.backward = step, names, pieces, forward, backward
 
     def __call__(self, carry: tuple, columns: tuple) -> tuple[tuple, tuple]:
         step = self.step
@@ -425,7 +401,8 @@ class _Clock:
             incoming = down[:, 0]
             if self.forward:  # the last stage's gradient is its loss's, this clock
                 share, head_columns = head
-                loss, from_loss, found = step.run_head(self.names, held, state, head_columns, share, keys)
+                loss, from_loss, found = step.run_head(self.names, held, state, self.pieces, head_columns, share,
+                                                       keys)
                 incoming = torch.where(last, from_loss, incoming)
                 losses = losses + loss
                 held_grads = tuple(total + g for total, g in zip(held_grads, found))
@@ -445,8 +422,9 @@ class _Step(torch.autograd.Function):
     @staticmethod
     def forward(ctx, step: OneFOneBStep, tables: OneFOneBTables, names: tuple[str, ...], seed: torch.Tensor,
                 slots: torch.Tensor, valid: torch.Tensor, columns: tuple[torch.Tensor, ...], shares: torch.Tensor,
-                count: int, *tensors: torch.Tensor) -> torch.Tensor:
-        loss, found = step.run(tables, names, seed, slots, valid, columns, shares, tensors[:count], tensors[count:])
+                pieces: int, count: int, *tensors: torch.Tensor) -> torch.Tensor:
+        loss, found = step.run(tables, names, seed, slots, valid, columns, shares, pieces, tensors[:count],
+                               tensors[count:])
         ctx.present = [g is not None for g in found]
         ctx.save_for_backward(*(g for g in found if g is not None))
         return loss
@@ -455,7 +433,7 @@ class _Step(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor) -> tuple:
         saved = iter(ctx.saved_tensors)
         grad_slots, *rest = (_scaled(next(saved), grad) if present else None for present in ctx.present)
-        return (None, None, None, None, grad_slots, None, None, None, None, *rest)
+        return (None, None, None, None, grad_slots, None, None, None, None, None, *rest)
 
 
 def _scaled(gradient: torch.Tensor, by: torch.Tensor) -> torch.Tensor:

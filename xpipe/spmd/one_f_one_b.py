@@ -60,8 +60,8 @@ from xpipe.collectives import shift
 from xpipe.reduction import declared, loss_fn_items_each
 from xpipe.schedule import Lockstep
 from xpipe.spmd.conveyor import SlotLayout
-from xpipe.spmd.lockstep_tables import OneFOneBTables, one_f_one_b_tables
 from xpipe.spmd.dropout import cell_keys, hashed_dropout
+from xpipe.spmd.lockstep_tables import OneFOneBTables, one_f_one_b_tables
 from xpipe.spmd.lowering import ShardableOps
 from xpipe.spmd.placement import Placement
 from xpipe.spmd.sides import Packing
@@ -289,7 +289,6 @@ class OneFOneBStep:
             found = iter(torch.autograd.grad(losses.sum(), wanted, allow_unused=True))
         found = [_zero_gradient(leaf) if not leaf.requires_grad else _or_zero(next(found), leaf) for leaf in leaves]
         return losses.detach(), found[0], found[1:]
-
 
     def _spread(self, state: torch.Tensor, pieces: int) -> torch.Tensor:
         """``[S * P, rows, ...] -> [S * P, rows / pieces, ...]``: the last stage's rows cut

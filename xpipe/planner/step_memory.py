@@ -82,7 +82,7 @@ def step_terms(profile: ModelProfile, layout: Layout, depth: int, rows: int, bat
         resting=_resting(weights), gathered=copies, gathered_gradients=gradients, outer_gradients=weights.gathered_outer,
         kept_weights=weights.kept_per_clock, kept_round_weights=weights.kept_per_clock // layout.virtual,
         conveyor=int((slots + 1) * conveyed), recomputing_input=int(recomputed), keeping_cell=int(cell),
-        working=int(working), attention_gradient=int(rows * profile.block_attention_bytes_per_row / layout.tensor),
+        working=int(working), attention_gradient=_attention_gradient(profile, layout, rows),
         loss=int(around),
         loss_accumulator=_loss_accumulator_bytes(profile, layout.axes) if segments > 1 else 0,
         recomputing=recomputing, keeping=keeping)
@@ -108,7 +108,7 @@ def lockstep_terms(profile: ModelProfile, layout: Layout, depth: int, rows: int,
     return LockstepTerms(
         resting=_resting(weights), gathered=weights.gathered + held, buffers=int(buffers), forward=int(block),
         working=int(block if layout.gather == "block" else depth * block),
-        attention_gradient=int(rows * profile.block_attention_bytes_per_row / layout.tensor),
+        attention_gradient=_attention_gradient(profile, layout, rows),
         head=int(rows / lockstep.head_pieces(rows) * profile.outer_saved_bytes_per_row / layout.tensor),
         warm_up=layout.stages - 1, steady=layout.stages * slots)
 
@@ -119,6 +119,12 @@ def _block_saved(profile: ModelProfile, layout: Layout, rows: int) -> float:
     over "tensor"."""
     whole = 0.0 if layout.sequence_parallel else profile.block_stream_saved_bytes_per_row
     return rows * (whole + (profile.block_saved_bytes_per_row - whole) / layout.tensor)
+
+
+def _attention_gradient(profile: ModelProfile, layout: Layout, rows: int) -> int:
+    """The gradient of one attention's probabilities for a microbatch of ``rows`` on one
+    device, split by heads over "tensor": what a backward clock holds beside its cell."""
+    return int(rows * profile.block_attention_bytes_per_row / layout.tensor)
 
 
 def _resting(weights: DeviceMemory) -> dict[str, int]:

@@ -160,15 +160,20 @@ class OneFOneBStep:
         if len(leaves) != 1 or not isinstance(leaves[0], torch.Tensor):
             raise ValueError("target: schedule='1f1b' under the spmd executor takes one target tensor")
         pieces = Lockstep(self.stages, layout.padded_chunks).head_pieces(layout.rows)
-        by_piece = self._by_piece(self._by_entry(to_slots(leaves[0]), layout), pieces)
-        shares = self._shares(by_piece, layout, microbatched)
+
+        def by_piece(batch_first: torch.Tensor) -> torch.Tensor:
+            """``[M, P, pieces, rows / pieces, ...]``: each row group's rows of each
+            microbatch cut into the pieces the stages take the loss of."""
+            return self._by_entry(to_slots(batch_first), layout).unflatten(2, (pieces, -1))
+
+        targets = by_piece(leaves[0])
+        shares = self._shares(targets, layout, microbatched)
         rows = tuple(skip for skip, has_rows in zip(skips, self.head.skip_rows) if has_rows)
         if any(skip.requires_grad for skip in rows):
             raise ValueError("module: the layers after the body read a tensor with a row per batch row, made before "
                              "the body from the weights; schedule='1f1b' under the spmd executor takes the gradient "
                              "of none such; use schedule='gpipe'")
-        columns = tuple(self._by_steady_clock(self._by_piece(self._by_entry(to_slots(skip), layout), pieces))
-                        for skip in (leaves[0], *rows))
+        columns = tuple(self._by_steady_clock(laid) for laid in (targets, *(by_piece(skip) for skip in rows)))
         shares = self._by_steady_clock(shares, idle_zero=True)
         held = (*post_weights.values(), *(skip for skip, has_rows in zip(skips, self.head.skip_rows) if not has_rows))
         return _Step.apply(self, tables, tuple(post_weights), seed, slots, valid, columns, shares, pieces,
@@ -180,12 +185,6 @@ class OneFOneBStep:
         ``i % S`` (the conveyor's reads)."""
         grid = grid.reshape(self.stages, self.replicas, layout.slots, layout.rows, *grid.shape[1:])
         return grid.movedim(2, 0).flatten(0, 1)
-
-    @staticmethod
-    def _by_piece(by_entry: torch.Tensor, pieces: int) -> torch.Tensor:
-        """``[M, P, rows, ...] -> [M, P, pieces, rows / pieces, ...]``: each row group's
-        rows of a microbatch cut into the pieces the stages take the loss of."""
-        return by_entry.unflatten(2, (pieces, -1))
 
     def _shares(self, targets: torch.Tensor, layout: SlotLayout, microbatched: bool) -> torch.Tensor:
         """``[M, P, pieces]``: each piece's share of the step's loss, per microbatch (0 for
@@ -249,10 +248,11 @@ class OneFOneBStep:
         held_grads = [g.sum(0) if g.is_floating_point() else None for g in held_grads]  # the row groups' added up
         return losses.sum(), [gradients, *weight_grads, *held_grads]
 
-    def next_stage(self, x: torch.Tensor, direction: int) -> torch.Tensor:
-        """``x`` (``[S * P, ...]``, stage-major) moved one stage up (1) or down (-1)."""
+    def next_stage(self, x: torch.Tensor, stages: int) -> torch.Tensor:
+        """``x`` (``[S * P, ...]``, stage-major) moved ``stages`` stages up (positive) or
+        down (negative): one collective-permute."""
         if self.stages > 1:
-            return shift(x, direction * self.replicas)
+            return shift(x, stages * self.replicas)
         return x * 0  # nothing moves with one stage; kept in the traced graph
 
     def run_head(self, names: tuple[str, ...], held: tuple[torch.Tensor, ...], state: torch.Tensor,
@@ -301,7 +301,7 @@ class OneFOneBStep:
         stage = device.div(self.replicas, rounding_mode="floor")
         spread = cut[:, -1]
         for down in range(1, pieces):
-            moved = shift(cut[:, pieces - 1 - down], -down * self.replicas)
+            moved = self.next_stage(cut[:, pieces - 1 - down], -down)
             spread = torch.where(stage == self.stages - 1 - down, moved, spread)
         return spread
 

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from xpipe.collectives import shift
-from xpipe.inspect import CommunicationReport, collectives, loop_trips, matmul_flops
+from xpipe.inspect import CommunicationReport, Kernels, collectives, kernels, loop_trips, matmul_flops
 from xpipe.recompute import check_mode, recompute
 from xpipe.spmd.dropout import hashed_dropout
 from xpipe.spmd.lowering import ShardableOps, heads_leading_attention, layer_norm
@@ -213,6 +213,13 @@ def test_matmul_flops_counts_each_dot_as_often_as_its_computation_runs():
     once = 2 * 6 * 16
     batched, fused = 2 * 3 * 4 * 5 * 8, 2 * 4 * 2 * 8
     assert matmul_flops(MATMULS) == once + 5 * (batched + fused)
+
+
+def test_kernels_counts_what_runs_as_work_of_its_own_as_often_as_it_runs():
+    """The entry's dot once; the loop body's dot and fusion five times each, not the
+    dot the fusion holds nor the parameters, the while or its tuple; the bytes of
+    their float32 results as often."""
+    assert kernels(MATMULS) == Kernels(1 + 5 * 2, 4 * (6 * 1 + 5 * (3 * 4 * 5 + 4 * 2)))
 
 
 def test_hlo_dump_folder_is_removed_at_exit_unless_the_caller_named_it(tmp_path):

@@ -10,9 +10,10 @@ layers after the body), the batch sharded as a loader gives it, ``pipe.step`` wi
 ``checkpoint="always"`` (all 1F1B runs). For each schedule and chunk count it prints
 the median of 5 steps after the first, the matrix products' floating-point
 operations on one device (``xpipe.inspect.matmul_flops``: the optimized program's
-dots, each loop body's times its trip count) and XLA's peak per device, then each
-1F1B figure over GPipe's. The emulated devices share this machine's cores, so a
-step's time measures its total work.
+dots, each loop body's times its trip count), the kernels one device launches and
+the bytes they write (``xpipe.inspect.kernels``, counted alike) and XLA's peak per
+device, then each 1F1B figure over GPipe's. The emulated devices share this
+machine's cores, so a step's time measures its total work.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import argparse
 import os
 import statistics
 import time
+from pathlib import Path
 
 os.environ.setdefault("PJRT_DEVICE", "CPU")
 os.environ.setdefault("CPU_NUM_DEVICES", "8")
@@ -48,8 +50,9 @@ def lm_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 lm_loss.reduction, lm_loss.ignore_index = "mean", -100
 
 
-def measure(schedule: str, chunks: int, steps: int) -> tuple[float, int, int]:
-    """(median step seconds, matmul FLOPs on one device, XLA's peak bytes per device)."""
+def measure(schedule: str, chunks: int, steps: int) -> tuple[float, int, int, int, int]:
+    """(median step seconds, matmul FLOPs, kernel launches and the bytes they write on
+    one device, XLA's peak bytes per device)."""
     model = transformer_lm(blocks=16, width=64, heads=4, seq=SEQ, vocab=VOCAB)
     pipe = xpipe.Pipe(model, chunks=chunks, mesh=xpipe.make_mesh(STAGES, DATA), schedule=schedule,
                       checkpoint="always", loss_fn=lm_loss)
@@ -65,7 +68,8 @@ def measure(schedule: str, chunks: int, steps: int) -> tuple[float, int, int]:
         torch_xla.sync()  # the loss and every gradient
         wait_device_ops()
         times.append(time.perf_counter() - start)
-    return statistics.median(times), report.matmul_flops, report.peak_bytes
+    launched = xpipe.inspect.kernels(Path(report.program).read_text())
+    return statistics.median(times), report.matmul_flops, launched.launches, launched.bytes_written, report.peak_bytes
 
 
 def main() -> None:
@@ -73,16 +77,16 @@ def main() -> None:
     parser.add_argument("--chunks", type=int, action="append", help="microbatches a step (8 and 32 by default)")
     parser.add_argument("--steps", type=int, default=5, help="timed steps after the first (median)")
     args = parser.parse_args()
-    print("| schedule | chunks | step s | matmul GFLOP / device | peak MiB / device | "
-          "1f1b / gpipe: time | FLOPs | peak |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| schedule | chunks | step s | matmul GFLOP / device | kernels / device | GB written / device | "
+          "peak MiB / device | 1f1b / gpipe: time | FLOPs | kernels | written | peak |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for chunks in args.chunks or (8, 32):
         figures = {schedule: measure(schedule, chunks, args.steps) for schedule in ("gpipe", "1f1b")}
-        for schedule, (seconds, flops, peak) in figures.items():
-            ratios = " | |" if schedule == "gpipe" else "".join(
+        for schedule, (seconds, flops, launches, written, peak) in figures.items():
+            ratios = " | | | | |" if schedule == "gpipe" else "".join(
                 f" {mine / theirs:.2f} |" for mine, theirs in zip(figures["1f1b"], figures["gpipe"]))
-            print(f"| {schedule} | {chunks} | {seconds:.3f} | {flops / 1e9:.2f} | {peak / 2**20:.2f} |{ratios}",
-                  flush=True)
+            print(f"| {schedule} | {chunks} | {seconds:.3f} | {flops / 1e9:.2f} | {launches} | {written / 1e9:.3f} | "
+                  f"{peak / 2**20:.2f} |{ratios}", flush=True)
 
 
 if __name__ == "__main__":

@@ -41,7 +41,11 @@ _COMPUTATION = re.compile(r"^(?:ENTRY )?%?(?P<name>[\w.\-]+) .*\{\s*$")
 _WHILE_BODY = re.compile(r"while\(.*body=%?(?P<body>[\w.\-]+)")
 _TRIPS = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 _CALLED = re.compile(r"(?:calls|to_apply)=%?([\w.\-]+)")
-_INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%?(?P<name>[\w.\-]+) = \w+\[(?P<dims>[\d,]*)\]")
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%?(?P<name>[\w.\-]+) = (?P<dtype>\w+)\[(?P<dims>[\d,]*)\]")
+_ANY_INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%?[\w.\-]+ = ")
+_OPCODE = re.compile(r"[\]\)}] (?P<op>[a-z][a-z\-]*)\(")
+_NOT_WORK = {"parameter", "get-tuple-element", "tuple", "bitcast", "constant", "while", "partition-id",
+             "replica-id", "after-all", "opt-barrier"}
 _DOT = re.compile(r" dot\(%?(?P<lhs>[\w.\-]+).*lhs_contracting_dims=\{(?P<contracting>[\d,]*)\}")
 
 
@@ -252,43 +256,87 @@ def matmul_flops(hlo: str) -> int:
     the computation that holds it: a while body its known trip count times its
     caller's runs, a fusion or a call its caller's. The step's compute up to its
     elementwise work, which matrix products dwarf in a transformer."""
-    runs: dict[str, int] = {}
-    calls: list[tuple[str, str, int]] = []  # (caller, callee, times per call)
-    dots: list[tuple[str, list[int], str, list[int]]] = []  # (computation, result dims, lhs, contracted dims)
-    shapes: dict[str, list[int]] = {}
-    computation, entry = "", ""
-    for line in hlo.splitlines():
-        header = _COMPUTATION.match(line)
-        if header and " = " not in line.split("{")[0]:
-            computation = header["name"]
-            entry = computation if line.startswith("ENTRY") else entry
-            continue
-        body = _WHILE_BODY.search(line)
-        if body:
-            trips = _TRIPS.search(line)
-            calls.append((computation, body["body"], int(trips[1]) if trips else 1))
-        for callee in _CALLED.findall(line):
-            calls.append((computation, callee, 1))
-        instruction = _INSTRUCTION.match(line)
-        if instruction:
-            dims = [int(d) for d in instruction["dims"].split(",") if d]
-            shapes[instruction["name"]] = dims
-            dot = _DOT.search(line)
-            if dot:
-                dots.append((computation, dims, dot["lhs"], [int(i) for i in dot["contracting"].split(",") if i]))
-    runs[entry] = 1
-    for _ in range(len(calls)):  # callers come in any order in the text: settle, at most once per call
-        settled = dict(runs)
-        for caller, callee, times in calls:
-            if caller in settled:
-                runs[callee] = max(runs.get(callee, 0), settled[caller] * times)
-        if settled == runs:
-            break
+    program = _Program(hlo)
     total = 0
-    for where, result, lhs, contracting in dots:
-        contracted = np.prod([shapes[lhs][i] for i in contracting], dtype=np.int64)
-        total += runs.get(where, 0) * int(2 * np.prod(result, dtype=np.int64) * contracted)
+    for where, line in program.instructions:
+        dot = _DOT.search(line)
+        if dot:
+            result = program.shapes[_INSTRUCTION.match(line)["name"]]
+            contracted = np.prod([program.shapes[dot["lhs"]][int(i)] for i in dot["contracting"].split(",") if i],
+                                 dtype=np.int64)
+            total += program.runs.get(where, 0) * int(2 * np.prod(result, dtype=np.int64) * contracted)
     return total
+
+
+@dataclass(frozen=True)
+class Kernels:
+    """What one device's program launches in a run (:func:`kernels`)."""
+
+    launches: int  # instructions that run as work of their own, each as often as it runs
+    bytes_written: int  # the bytes of their results (tuples not counted), as often
+
+
+def kernels(hlo: str) -> Kernels:
+    """The instructions of optimized HLO text that run as work of their own (a fusion,
+    a dot, a copy, a collective, a reduction: not a parameter, tuple, bitcast, constant
+    or while, and nothing a fusion, a call or a reduction calls), each times the runs of the
+    computation that holds it, as :func:`matmul_flops` counts them. Two programs of the
+    same arithmetic can still differ in these: on XLA's CPU runtime each launch costs
+    its dispatch, and each byte written its memory traffic."""
+    program = _Program(hlo)
+    launches = written = 0
+    for where, line in program.instructions:
+        op = _OPCODE.search(re.sub(r"/\*.*?\*/", "", line))
+        if where in program.fused or not op or op["op"] in _NOT_WORK:
+            continue
+        runs = program.runs.get(where, 0)
+        launches += runs
+        shape = _INSTRUCTION.match(line)
+        if shape:
+            dims = [int(d) for d in shape["dims"].split(",") if d]
+            written += runs * int(np.prod(dims, dtype=np.int64)) * _BYTES.get(shape["dtype"], 4)
+    return Kernels(launches, written)
+
+
+class _Program:
+    """Optimized HLO text read for counting: each computation's instructions, how often
+    each computation runs (a while body its known trip count times its caller's runs,
+    what a fusion, call or reduction calls its caller's), the result shape of each
+    array-valued instruction, and the computations that run inside another instruction
+    (a fusion's, a call's, a reduction's) rather than as a computation of their own."""
+
+    def __init__(self, hlo: str) -> None:
+        self.instructions: list[tuple[str, str]] = []  # (computation, instruction line)
+        self.shapes: dict[str, list[int]] = {}
+        self.fused: set[str] = set()
+        calls: list[tuple[str, str, int]] = []  # (caller, callee, times per call)
+        computation, entry = "", ""
+        for line in hlo.splitlines():
+            header = _COMPUTATION.match(line)
+            if header and " = " not in line.split("{")[0]:
+                computation = header["name"]
+                entry = computation if line.startswith("ENTRY") else entry
+                continue
+            body = _WHILE_BODY.search(line)
+            if body:
+                trips = _TRIPS.search(line)
+                calls.append((computation, body["body"], int(trips[1]) if trips else 1))
+            for callee in _CALLED.findall(line):
+                calls.append((computation, callee, 1))
+                self.fused.add(callee)
+            instruction = _INSTRUCTION.match(line)
+            if instruction:
+                self.shapes[instruction["name"]] = [int(d) for d in instruction["dims"].split(",") if d]
+            if _ANY_INSTRUCTION.match(line):
+                self.instructions.append((computation, line))
+        self.runs: dict[str, int] = {entry: 1}
+        for _ in range(len(calls)):  # callers come in any order in the text: settle, at most once per call
+            settled = dict(self.runs)
+            for caller, callee, times in calls:
+                if caller in settled:
+                    self.runs[callee] = max(self.runs.get(callee, 0), settled[caller] * times)
+            if settled == self.runs:
+                break
 
 
 def _peak_bytes(program: str) -> int | None:

@@ -218,8 +218,32 @@ def test_matmul_flops_counts_each_dot_as_often_as_its_computation_runs():
 def test_kernels_counts_what_runs_as_work_of_its_own_as_often_as_it_runs():
     """The entry's dot once; the loop body's dot and fusion five times each, not the
     dot the fusion holds nor the parameters, the while or its tuple; the bytes of
-    their float32 results as often."""
+    their float32 results as often. A reduction counts, not what it calls."""
     assert kernels(MATMULS) == Kernels(1 + 5 * 2, 4 * (6 * 1 + 5 * (3 * 4 * 5 + 4 * 2)))
+
+    reduced = """
+HloModule step
+
+%sum (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %add = f32[] add(%a, %b)
+}
+
+%body (p: (s64[], f32[8])) -> (s64[], f32[8]) {
+  %p = (s64[], /*index=1*/f32[8]{0}) parameter(0)
+  %x = f32[8]{0} get-tuple-element(%p), index=1
+  %r = f32[] reduce(%x, %zero), dimensions={0}, to_apply=%sum
+  ROOT %t = (s64[], /*index=1*/f32[8]{0}) tuple(%i, %x)
+}
+
+ENTRY %main () -> f32[] {
+  %w = (s64[], /*index=1*/f32[8]{0}) while(%t), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"3"}}
+}
+"""
+    # The reduction three times (not the add it calls); the loop's tuple-typed lines (their
+    # types hold brackets and XLA's index comments) are not work.
+    assert kernels(reduced) == Kernels(3, 3 * 4)
 
 
 def test_hlo_dump_folder_is_removed_at_exit_unless_the_caller_named_it(tmp_path):

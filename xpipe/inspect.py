@@ -286,7 +286,7 @@ def kernels(hlo: str) -> Kernels:
     program = _Program(hlo)
     launches = written = 0
     for where, line in program.instructions:
-        op = _OPCODE.search(re.sub(r"/\*.*?\*/", "", line))
+        op = _OPCODE.search(line)
         if where in program.fused or not op or op["op"] in _NOT_WORK:
             continue
         runs = program.runs.get(where, 0)

@@ -30,39 +30,57 @@ aten = torch.ops.aten
 
 
 @torch.library.custom_op("xpipe::sharding_hint", mutates_args=())
-def sharding_hint(x: torch.Tensor, mesh: str, spec: str, batch: str) -> torch.Tensor:
+def _hint(x: torch.Tensor, mesh: str, spec: str, batch: str) -> torch.Tensor:
     """``x`` annotated on ``mesh`` (``str(xs.Mesh)``) by ``spec`` (a partition spec's
-    ``repr``), and its gradient too. Under ``torch.vmap``, ``spec`` names the dims
-    the function sees and ``batch`` (a ``repr`` too) the mesh axes of the dim vmap adds."""
+    ``repr``). Under ``torch.vmap``, ``spec`` names the dims the function sees and
+    ``batch`` (a ``repr`` too) the mesh axes of the dim vmap adds."""
     return torch.ops.xla.aot_mark_sharding(x, mesh, spec)
 
 
-@sharding_hint.register_fake
+@_hint.register_fake
 def _(x: torch.Tensor, mesh: str, spec: str, batch: str) -> torch.Tensor:
     return torch.empty_like(x)
-
-
-def _keep_spec(ctx, inputs: tuple, output: torch.Tensor) -> None:
-    _, ctx.mesh, ctx.spec, ctx.batch = inputs
-
-
-def _gradient(ctx, grad: torch.Tensor) -> tuple:
-    return sharding_hint(grad, ctx.mesh, ctx.spec, ctx.batch), None, None, None
 
 
 def _batched(info, in_dims: tuple, x: torch.Tensor, mesh: str, spec: str, batch: str) -> tuple:
     """vmap's rule: the batched tensor annotated with the batch dim's axes leading."""
     dim = in_dims[0]
     if dim is None:
-        return sharding_hint(x, mesh, spec, batch), None
+        return _hint(x, mesh, spec, batch), None
     if batch == repr(None):
         raise RuntimeError("sharding_hint: the tensor is batched by a second vmap; the hint names one batch dim")
     leading = (ast.literal_eval(batch), *ast.literal_eval(spec))
-    return sharding_hint(x.movedim(dim, 0), mesh, repr(leading), repr(None)), 0
+    return _hint(x.movedim(dim, 0), mesh, repr(leading), repr(None)), 0
 
 
-sharding_hint.register_autograd(_gradient, setup_context=_keep_spec)
-sharding_hint.register_vmap(_batched)
+_hint.register_vmap(_batched)
+
+
+class _Hinted(torch.autograd.Function):
+    """The hint and its gradient's, as an autograd.Function with ``setup_context``, so
+    that it also runs under functorch's transforms (1F1B's stashed activations take
+    each device's gradients at a grad level of their own: :mod:`xpipe.spmd.stashed_activations`)."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(x: torch.Tensor, mesh: str, spec: str, batch: str) -> torch.Tensor:
+        return _hint(x, mesh, spec, batch)
+
+    @staticmethod
+    def setup_context(ctx, inputs: tuple, output: torch.Tensor) -> None:
+        _, ctx.mesh, ctx.spec, ctx.batch = inputs
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple:
+        return _Hinted.apply(grad, ctx.mesh, ctx.spec, ctx.batch), None, None, None
+
+
+def sharding_hint(x: torch.Tensor, mesh: str, spec: str, batch: str) -> torch.Tensor:
+    """``x`` annotated on ``mesh`` (``str(xs.Mesh)``) by ``spec`` (a partition spec's
+    ``repr``), and its gradient too. Under ``torch.vmap``, ``spec`` names the dims
+    the function sees and ``batch`` (a ``repr`` too) the mesh axes of the dim vmap adds."""
+    return _Hinted.apply(x, mesh, spec, batch)
 
 
 _ADDS = {aten.add.Tensor, torch.add, torch.Tensor.add, torch.Tensor.__add__, torch.Tensor.__radd__}

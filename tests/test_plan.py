@@ -238,22 +238,26 @@ def test_a_layouts_memory_is_the_peak_of_its_step_timeline():
         (clocks - recomputing) * (weights.kept_per_clock - weights.kept_per_clock // 2))
 
 
-def test_1f1b_is_planned_recomputing_every_cell_with_a_ring_of_stage_inputs_not_one_per_microbatch():
+def test_1f1b_is_planned_with_a_ring_of_stage_inputs_or_of_activations_not_one_per_microbatch():
     """1F1B under the spmd executor (``xpipe.spmd.one_f_one_b``): listed with more than one
-    stage and ``checkpoint="always"`` only; a moment per loop, the steady one the peak.
+    stage and ``checkpoint="always"`` or ``"never"`` (no ``"except_last"``: it would save
+    no work); a moment per loop, the steady one the peak.
     From 8 to 32 microbatches of fixed rows its activations grow by the slot buffer
     alone, where GPipe's keep every microbatch's; GPipe's bubble, the layers after the
     body on the pieces the exiting microbatch is cut into (two rows a device: 2 pieces
     of 4 stages, so twice GPipe's rows), a stream and a slot's column sent each way
-    every clock, and each steady clock one piece down and its gradient back."""
-    result = xpipe.plan(LlamaConfig(**SMALL), devices=8, batch=64)
+    every clock, and each steady clock one piece down and its gradient back. With
+    ``"never"`` the ring holds ``2S - 1`` cells' activations, whatever ``chunks`` is, and
+    the step computes no forward twice."""
+    result = xpipe.plan(LlamaConfig(**SMALL), devices=8, batch=64, checkpoints=("except_last", "always", "never"))
     listed = [p.layout for p in result.fitting + result.refused if p.layout.schedule == "1f1b"]
-    assert listed and all(layout.stages > 1 and layout.checkpoint == "always" for layout in listed)
-    assert {layout.gather for layout in listed} == {"step", "block"}
+    assert listed and all(layout.stages > 1 for layout in listed)
+    assert {layout.checkpoint for layout in listed} == {"always", "never"}
+    assert {layout.gather for layout in listed if layout.checkpoint == "always"} == {"step", "block"}
     profile = profile_of_model(llama(8), {"input_ids": tokens(2, 8)})
 
-    def planned(schedule: str, chunks: int):
-        return predict(profile, Layout(4, 2, 1, 1, chunks, schedule, 1, "always"), chip=preset("v5e"),
+    def planned(schedule: str, chunks: int, checkpoint: str = "always"):
+        return predict(profile, Layout(4, 2, 1, 1, chunks, schedule, 1, checkpoint), chip=preset("v5e"),
                        batch=chunks * 2 * 2)  # two rows a device per microbatch
 
     one_f_one_b = {chunks: planned("1f1b", chunks) for chunks in (8, 32)}
@@ -267,8 +271,14 @@ def test_1f1b_is_planned_recomputing_every_cell_with_a_ring_of_stage_inputs_not_
     assert gpipe_[32].bytes - gpipe_[8].bytes > 4 * growth
     assert one_f_one_b[32].bubble == gpipe_[32].bubble == xpipe.schedule.Lockstep(4, 32).bubble_fraction
     head = one_f_one_b[32].seconds["compute"] - gpipe_[32].seconds["compute"]
-    with pytest.raises(ValueError, match="layout: schedule '1f1b' under the spmd executor .* checkpoint='always'"):
-        predict(profile, Layout(4, 2, 1, 1, 8, "1f1b", 1, "never"), chip=preset("v5e"), batch=32)
+    never = {chunks: planned("1f1b", chunks, "never") for chunks in (8, 32)}
+    cell = 2 * profile.block_saved_bytes_per_row * profile.blocks // 4  # a stage's blocks, two rows
+    ring = never[8].memory["activations"] - one_f_one_b[8].memory["activations"]
+    assert ring >= xpipe.schedule.Lockstep(4, 8).ring * cell, "a ring of 2S - 1 cells' activations besides"
+    assert never[32].memory["activations"] - never[8].memory["activations"] == pytest.approx(growth, abs=2)
+    assert never[32].seconds["compute"] < one_f_one_b[32].seconds["compute"], "no recomputed forward"
+    with pytest.raises(ValueError, match="checkpoint: schedule='1f1b' under the spmd executor .* 'except_last'"):
+        predict(profile, Layout(4, 2, 1, 1, 8, "1f1b", 1, "except_last"), chip=preset("v5e"), batch=32)
     with pytest.raises(ValueError, match="layout: schedule 'zb-h1' is not one the spmd executor runs"):
         predict(profile, Layout(4, 2, 1, 1, 8, "zb-h1"), chip=preset("v5e"), batch=32)
     rows = 32 * 2 * 2 // 8  # a device's rows in GPipe: the batch over stage x data

@@ -1,5 +1,5 @@
 """Pure pieces on the CPU: shift, recompute, the LayerNorm rewrite, hashed attention dropout, side-input
-packing, the HLO parser and its dump folder."""
+packing, 1F1B's stashed activations, the HLO parser and its dump folder."""
 
 import subprocess
 import sys
@@ -16,6 +16,7 @@ from xpipe.recompute import check_mode, recompute
 from xpipe.spmd.dropout import hashed_dropout
 from xpipe.spmd.lowering import ShardableOps, heads_leading_attention, layer_norm
 from xpipe.spmd.sides import packing_for
+from xpipe.spmd.stashed_activations import StashedActivations
 
 
 def test_shift_moves_slices_and_its_gradient_moves_them_back():
@@ -27,6 +28,32 @@ def test_shift_moves_slices_and_its_gradient_moves_them_back():
     assert x.grad.flatten().tolist() == [2, 3, 4, 0]
     with pytest.raises(ValueError, match="offset: must be a non-zero int"):
         shift(x, 4)
+
+
+def test_stashed_activations_backward_reads_what_the_forward_kept_once_each():
+    """Per device under vmap (3 devices), the forward keeps what its backward reads that
+    depends on the input: not the weight, a tensor saved twice once, and a transpose as
+    the tensor it views. The backward from them is autograd's (float32, rtol 1e-5), and it
+    reads them: other kept values give other gradients."""
+    def one_stage(weights, valid, x, round_, key):
+        hidden = torch.tanh(x @ weights[0])
+        return (hidden @ hidden.t()) @ hidden * valid
+
+    devices = 3
+    x, weight = torch.randn(devices, 4, 5), torch.randn(devices, 5, 5)
+    valid, rounds, keys = torch.ones(devices), torch.ones(devices, 1), torch.zeros(devices, dtype=torch.int32)
+    stashed = StashedActivations(one_stage, lambda weights, state: (weights, state), lambda state: state)
+    output, kept = stashed.forward((weight,), valid, x, rounds, keys)
+    assert all(k.shape[0] == devices for k in kept)
+    assert [tuple(k.shape[1:]) for k in kept] == [(4, 5), (4, 5), (4, 4)], "x, tanh's output (its transpose as it), hh^T"
+    gradient = torch.randn_like(output)
+    found_x, (found_weight,) = stashed.vjp((weight,), valid, x, rounds, keys, kept, gradient)
+    leaves = x.clone().requires_grad_(), weight.clone().requires_grad_()
+    expected = torch.autograd.grad(torch.vmap(one_stage, in_dims=(0, 0, 0, 0, 0))(
+        (leaves[1],), valid, leaves[0], rounds, keys), leaves, gradient)
+    torch.testing.assert_close((found_x, found_weight), expected, rtol=1e-5, atol=1e-5)
+    changed, _ = stashed.vjp((weight,), valid, x, rounds, keys, tuple(k * 2 for k in kept), gradient)
+    assert not torch.allclose(changed, found_x)
 
 
 def test_recompute_gives_the_same_gradients():

@@ -60,6 +60,7 @@ LAYOUTS = {
     "1f1b, 4 stages x 2 data": Layout(4, 2, 1, 1, 8, "1f1b", 1, "always", "step"),
     "1f1b, fsdp x tensor": Layout(2, 1, 2, 2, 4, "1f1b", 1, "always", "step"),
     "1f1b, fsdp, per block": Layout(2, 1, 4, 1, 4, "1f1b", 1, "always", "block"),
+    "1f1b never, 4 stages x 2 data": Layout(4, 2, 1, 1, 8, "1f1b", 1, "never", "step"),
 }
 
 

@@ -30,13 +30,13 @@ from xpipe.devices.stages import cut_into_stages
 from xpipe.layout import spread
 from xpipe.mesh import axes_of, make_mesh, mesh_axes, spmd_device
 from xpipe.partition import Partition, partition_captured, rebalanced, spmd_balance, spmd_partition
+from xpipe.recompute import check_lockstep
 from xpipe.reduction import model_loss_items_each
 from xpipe.schedule import Schedule, by_name, check_ring_chunks
 from xpipe.spmd.clock import SpmdOptions
 from xpipe.spmd.executor import AUTO_SCHEDULES
 from xpipe.spmd.executor import SCHEDULES as SPMD_SCHEDULES
 from xpipe.spmd.executor import SpmdPipeline, padded_chunks
-from xpipe.spmd.one_f_one_b import check_options as check_one_f_one_b
 from xpipe.spmd.sequence_parallel import check_sequence_dim
 from xpipe.tensor.inference import CannotInfer, infer_tensor_dims
 from xpipe.tensor.joined_projections import join_column_parallel
@@ -177,7 +177,7 @@ def checked_spmd_layout(capture: ModelCapture, options: Options, stages: int, te
                          f"or round the stage ring, and 1F1B's), not {options.schedule!r}; use one of those, or "
                          "executor='devices'")
     if options.schedule == "1f1b":
-        check_one_f_one_b(options.checkpoint)
+        check_lockstep(options.checkpoint)
     if options.schedule == "circular":  # what the ring cannot run is refused for the chunks asked for
         check_ring_chunks(stages, options.chunks, options.virtual)
     schedule = by_name(options.schedule, stages, padded_chunks(options.chunks, stages), options.virtual)

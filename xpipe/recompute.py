@@ -29,6 +29,20 @@ def check_mode(checkpoint: str) -> str:
     return checkpoint
 
 
+def check_lockstep(checkpoint: str) -> None:
+    """The recomputation 1F1B under the spmd executor runs (:class:`xpipe.schedule.Lockstep`,
+    :mod:`xpipe.spmd.one_f_one_b`): ``"always"`` or ``"never"``; ``"except_last"`` is
+    refused, saying why."""
+    if checkpoint == "except_last":
+        raise ValueError(
+            "checkpoint: schedule='1f1b' under the spmd executor runs what one stage runs on every stage, each "
+            "clock. 'except_last' keeps the activations of the microbatches that enter last, but in every clock "
+            "with a backward but the step's last, some stage's backward is of one it did not keep (the first "
+            "stage's are kept from the last clock only): every clock would recompute, and keep activations too. "
+            "Pass checkpoint='never' (no recomputation; each device keeps the activations of at most "
+            "2 * stages - 1 microbatches) or 'always' (each stage recomputed from its stashed input)")
+
+
 def kept_cells(schedule: Schedule, checkpoint: str) -> frozenset[tuple[int, int]]:
     """The (model stage, microbatch) cells of ``schedule`` that keep their activations.
 

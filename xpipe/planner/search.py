@@ -31,7 +31,7 @@ from xpipe.planner.memory import per_device
 from xpipe.planner.profile import ModelProfile, profile_of_config, profile_of_model
 from xpipe.planner.step_memory import lockstep_terms, step_terms
 from xpipe.planner.timeline import KINDS, Timeline, lockstep_timeline, step_timeline
-from xpipe.recompute import MODES, first_kept_clock
+from xpipe.recompute import MODES, check_lockstep, first_kept_clock
 from xpipe.schedule import SPMD_SCHEDULES, Lockstep, Schedule, circular, gpipe
 from xpipe.tensor.rules import Rules
 
@@ -332,8 +332,8 @@ def _schedules(blocks: int, stages: int, chunks: int) -> list[tuple[str, int]]:
 
 def _checkpoints(schedule: str, checkpoints: tuple[str, ...]) -> tuple[str, ...]:
     """The policies of ``checkpoints`` the executor runs ``schedule`` with: 1F1B recomputes
-    every stage from its stashed input (:func:`xpipe.spmd.one_f_one_b.check_options`)."""
-    return tuple(c for c in checkpoints if c == "always") if schedule == "1f1b" else checkpoints
+    every stage or none (:func:`xpipe.recompute.check_lockstep`)."""
+    return tuple(c for c in checkpoints if c != "except_last") if schedule == "1f1b" else checkpoints
 
 
 def predict(profile: ModelProfile, layout: Layout, *, chip: Chip, batch: int, capacity: int | None = None,
@@ -353,9 +353,8 @@ def predict(profile: ModelProfile, layout: Layout, *, chip: Chip, batch: int, ca
     if layout.schedule not in SPMD_SCHEDULES:
         raise ValueError(f"layout: schedule {layout.schedule!r} is not one the spmd executor runs; use one of "
                          f"{', '.join(SPMD_SCHEDULES)}")
-    if layout.schedule == "1f1b" and layout.checkpoint != "always":
-        raise ValueError(f"layout: schedule '1f1b' under the spmd executor recomputes every stage from its stashed "
-                         f"input, checkpoint='always', not {layout.checkpoint!r}; give it checkpoint='always'")
+    if layout.schedule == "1f1b":
+        check_lockstep(layout.checkpoint)
     if layout.sequence_parallel and layout.tensor == 1:
         raise ValueError("layout: sequence_parallel splits the sequence over \"tensor\", and this layout has "
                          "tensor=1; give it tensor > 1, or sequence_parallel=False")

@@ -95,7 +95,9 @@ def lockstep_terms(profile: ModelProfile, layout: Layout, depth: int, rows: int,
     is gathered, every device's own copy of the layers after the body, which the head's
     gradients add up in); the slot buffer, the ring of ``2S - 1`` stashed stage inputs, the
     two streams and the stacks each clock's two permutes send; one block of the forward
-    beside one recomputed cell of the backward; one microbatch's logits, split over the
+    beside one recomputed cell of the backward (with ``checkpoint="never"``, a ring of
+    ``2S - 1`` cells' activations besides, the forward's whole cell and the backward's
+    cell read out of the ring); one microbatch's logits, split over the
     stages where its rows are cut for the head (:meth:`xpipe.schedule.Lockstep.head_pieces`)
     and by vocabulary over "tensor"."""
     conveyed = rows * profile.stream_bytes_per_row / layout.tensor
@@ -105,9 +107,13 @@ def lockstep_terms(profile: ModelProfile, layout: Layout, depth: int, rows: int,
     slots = microbatch_slots(layout.chunks, layout.stages)
     lockstep = Lockstep(layout.stages, layout.chunks)
     buffers = (slots + lockstep.ring + streams) * conveyed
+    cell = depth * block
+    kept = layout.checkpoint == "never"  # each cell's activations wait in a ring of their own, none recomputed
+    if kept:  # the ring, the clock's new cell before it is written in, and the backward's cell read out of it
+        buffers += lockstep.ring * cell
     return LockstepTerms(
-        resting=_resting(weights), gathered=weights.gathered + held, buffers=int(buffers), forward=int(block),
-        working=int(block if layout.gather == "block" else depth * block),
+        resting=_resting(weights), gathered=weights.gathered + held, buffers=int(buffers),
+        forward=int(cell if kept else block), working=int(block if layout.gather == "block" else cell),
         attention_gradient=_attention_gradient(profile, layout, rows),
         head=int(rows / lockstep.head_pieces(rows) * profile.outer_saved_bytes_per_row / layout.tensor),
         warm_up=layout.stages - 1, steady=layout.stages * slots)

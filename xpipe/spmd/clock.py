@@ -31,6 +31,7 @@ from xpipe.spmd.ordering import after_gradient, behind, tied_to
 from xpipe.spmd.placement import Placement
 from xpipe.spmd.sequence_parallel import SequenceSlices
 from xpipe.spmd.sides import Packing
+from xpipe.spmd.stashed_activations import StashedActivations
 from xpipe.spmd.stacked_weights import StackedWeights
 from xpipe.tensor.packed_projections import PackedLinear
 
@@ -111,15 +112,27 @@ class ClockBody:
             return partial(self._run_gathered_slots, template, packing)
         return partial(self._run_stages, template, packing)
 
+    def stashed(self, template: nn.Module, packing: Packing) -> StashedActivations:
+        """Every stage's blocks as :meth:`stages` runs them with ``gather="step"``, keeping
+        the activations the backward reads (1F1B's ``checkpoint="never"``)."""
+        return StashedActivations(partial(self._run_one_stage, template, packing), self._entering,
+                                  self.placement.to_conveyor)
+
     def _run_stages(self, template: nn.Module, packing: Packing, weights: tuple[torch.Tensor, ...],
                     valid: torch.Tensor, state: torch.Tensor, rounds: torch.Tensor, keys: torch.Tensor
                     ) -> torch.Tensor:
         """All stages on all row groups at once: ``[S * P, rows, F] -> same``."""
-        count = len(self.body.names)
-        weights = (*self.placement.pinned_body(weights[:count], self.body.dims), *weights[count:])
-        state = self.placement.from_conveyor(state)
+        weights, state = self._entering(weights, state)
         one_stage = partial(self._run_one_stage, template, packing)
         return self.placement.to_conveyor(torch.vmap(one_stage)(weights, valid, state, rounds, keys))
+
+    def _entering(self, weights: tuple[torch.Tensor, ...], state: torch.Tensor
+                  ) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+        """The weights and the stream as the loop carries them, held as the stages read
+        them (``gather="step"``)."""
+        count = len(self.body.names)
+        weights = (*self.placement.pinned_body(weights[:count], self.body.dims), *weights[count:])
+        return weights, self.placement.from_conveyor(state)
 
     def _run_one_stage(self, template: nn.Module, packing: Packing, weights: tuple[torch.Tensor, ...],
                        valid: torch.Tensor, x: torch.Tensor, round_: torch.Tensor, key: torch.Tensor

@@ -56,7 +56,7 @@ from xpipe.spmd.stacked_weights import StackedWeights
 from xpipe.spmd.state_map import StateMap
 from xpipe.tensor.packed_projections import packed_parts
 
-# Those executor="auto" picks it for: 1F1B here asks for checkpoint="always" and pipe.step.
+# Those executor="auto" picks it for: 1F1B here asks for checkpoint="always" or "never", and pipe.step.
 AUTO_SCHEDULES = ("gpipe", "circular")
 
 
@@ -253,8 +253,10 @@ class SpmdPipeline(nn.Module):
                              "row")
         slots, (skips, post_weights) = fenced(entry.slots, (entry.skips, entry.outer[self.post]))
         fold = self.exported.folded if self.exported is not None else _unchanged
-        runner = OneFOneBStep(self.placement, self._clock.stages(self._templates[self.training], entry.packing),
-                              head(self.post, fold, self.skip_rows or ()), entry.packing)
+        template = self._templates[self.training]
+        stashed = self._clock.stashed(template, entry.packing) if self.checkpoint == "never" else None
+        runner = OneFOneBStep(self.placement, self._clock.stages(template, entry.packing),
+                              head(self.post, fold, self.skip_rows or ()), entry.packing, stashed)
         batch_first = partial(_batch_first, device=self.body.weights[0].device, microbatch_dim=microbatch_dim)
         loss = runner.loss(self.placement.conveyed(slots), target, skips, entry.layout, entry.microbatched,
                            step_seed(self.training, slots.device), self._clock_weights(entry.constants),

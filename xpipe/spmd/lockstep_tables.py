@@ -22,8 +22,15 @@ class OneFOneBTables:
             gradient into (a column read empty before).
         forwards: ``[T, S]`` 1 where the stage runs a microbatch's forward.
         backwards: ``[T, S]`` 1 where the stage runs a microbatch's backward.
-        stash_writes: ``[T, S, W]`` one-hot: the ring slot the stage's input is stashed in.
-        stash_reads: ``[T, S, W]`` one-hot: the ring slot its backward reads.
+        stash_writes: ``[T, S]`` the ring slot the stage's input is stashed in.
+        stash_reads: ``[T, S]`` the ring slot its backward reads.
+        ring: ``W``, the ring's slots (:attr:`xpipe.schedule.Lockstep.ring`).
+
+    A stage's ring slot is its microbatch's index modulo ``W``, for every cell, idle
+    ones too: an idle forward's microbatch (before the first or after the last) is one
+    no backward reads, and its slot's last microbatch was read before (stage ``s`` reads
+    microbatch ``i`` ``2(S - 1 - s)`` clocks after writing it, and writes ``i + W`` ``W``
+    clocks after). So every device writes and reads one slot each clock, by index.
         backward_clocks: ``[T, S]`` the clock of the forward the stage's backward recomputes
             (its dropout masks are that clock's).
     """
@@ -35,6 +42,7 @@ class OneFOneBTables:
     stash_writes: np.ndarray
     stash_reads: np.ndarray
     backward_clocks: np.ndarray
+    ring: int
 
     @property
     def chunks(self) -> int:
@@ -50,8 +58,8 @@ def one_f_one_b_tables(stages: int, chunks: int, slots: int) -> OneFOneBTables:
     clocks, width = lockstep.clocks, lockstep.ring
     tables = OneFOneBTables(np.zeros((clocks, slots), np.float32), np.zeros((clocks, slots), np.float32),
                             np.zeros((clocks, stages), np.float32), np.zeros((clocks, stages), np.float32),
-                            np.zeros((clocks, stages, width), np.float32), np.zeros((clocks, stages, width), np.float32),
-                            np.zeros((clocks, stages), np.int64))
+                            np.zeros((clocks, stages), np.int64), np.zeros((clocks, stages), np.int64),
+                            np.zeros((clocks, stages), np.int64), width)
     for clock in range(clocks):
         entering, emerged = lockstep.forward(clock, 0), lockstep.backward(clock, 0)
         if entering is not None:
@@ -60,11 +68,11 @@ def one_f_one_b_tables(stages: int, chunks: int, slots: int) -> OneFOneBTables:
             tables.gradient_writes[clock, emerged // stages] = 1
         for stage in range(stages):
             forward, backward = lockstep.forward(clock, stage), lockstep.backward(clock, stage)
+            tables.stash_writes[clock, stage] = (clock - stage) % width
+            tables.stash_reads[clock, stage] = (clock - (2 * stages - 2 - stage)) % width
             if forward is not None:
                 tables.forwards[clock, stage] = 1
-                tables.stash_writes[clock, stage, forward % width] = 1
             if backward is not None:
                 tables.backwards[clock, stage] = 1
-                tables.stash_reads[clock, stage, backward % width] = 1
                 tables.backward_clocks[clock, stage] = backward + stage
     return tables

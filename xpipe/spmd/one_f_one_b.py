@@ -65,6 +65,7 @@ from xpipe.spmd.lockstep_tables import OneFOneBTables, one_f_one_b_tables
 from xpipe.spmd.lowering import ShardableOps
 from xpipe.spmd.placement import Placement
 from xpipe.spmd.sides import Packing
+from xpipe.spmd.stashed_activations import StashedActivations
 
 
 HEAD_SLOT = -1  # the layers after the body draw dropout masks as a block slot of their own would
@@ -129,11 +130,15 @@ class OneFOneBStep:
             rounds, keys) -> state`` (:meth:`xpipe.spmd.clock.ClockBody.stages`).
         head: the layers after the body and the loss.
         packing: how the stream and the per-row side inputs share the conveyor's features.
+        stashed: with ``checkpoint="never"``, the stages' forward that keeps its
+            activations in a ring beside the stashed inputs, and their backward from them
+            (None: each backward recomputes its stage's forward from the stashed input).
     """
 
     def __init__(self, placement: Placement, run_stages: Callable[..., torch.Tensor], head: Head,
-                 packing: Packing) -> None:
+                 packing: Packing, stashed: StashedActivations | None = None) -> None:
         self.placement, self.run_stages, self.head, self.packing = placement, run_stages, head, packing
+        self.stashed = stashed
         self.stages, self.replicas = placement.axes.stage, placement.replicas
         self.output_form: tuple[TreeSpec, int] | None = None  # what the model returns, and where the loss is in it
 
@@ -224,16 +229,19 @@ class OneFOneBStep:
             return torch.as_tensor(table, dtype=slots.dtype).repeat_interleave(replicas, 1).to(device)
 
         keys = cell_keys(seed, torch.arange(clocks, dtype=torch.int32, device=device), self.stages, replicas)
-        backward_clocks = torch.as_tensor(tables.backward_clocks).repeat_interleave(replicas, 1).to(device)
+        def indices(table: np.ndarray) -> torch.Tensor:  # [T, S] -> [T, S * P]
+            return torch.as_tensor(table).repeat_interleave(replicas, 1).to(device)
+
         clock_columns = (torch.as_tensor(tables.reads, dtype=slots.dtype).to(device),
                          torch.as_tensor(tables.gradient_writes, dtype=slots.dtype).to(device),
-                         per_device(tables.forwards), per_device(tables.backwards), per_device(tables.stash_writes),
-                         per_device(tables.stash_reads), keys, keys.gather(0, backward_clocks))
+                         per_device(tables.forwards), per_device(tables.backwards), indices(tables.stash_writes),
+                         indices(tables.stash_reads), keys, keys.gather(0, indices(tables.backward_clocks)))
         held = tuple(self.placement.per_device(t) for t in held)
         rounds = torch.ones(slots.shape[0], 1, dtype=slots.dtype, device=device)
         first = slots[:, 0]  # idle cells run real rows (see xpipe.spmd.conveyor)
-        stash = first.unsqueeze(1).expand(-1, tables.stash_writes.shape[2], *first.shape[1:]).clone()  # the ring
-        carry = (first.clone(), torch.zeros_like(first), stash, slots,
+        stash = first.unsqueeze(1).expand(-1, tables.ring, *first.shape[1:]).clone()  # the ring
+        carry = (first.clone(), torch.zeros_like(first), stash, self._kept_ring(weights, valid, first, rounds, keys[0],
+                                                                                 stash.shape[1]), slots,
                  tuple(torch.zeros_like(w) for w in weights), tuple(_zero_gradient(t) for t in held),
                  torch.zeros(slots.shape[0], dtype=torch.float32, device=device), weights, held, valid, rounds)
         for cells, start, end in Lockstep(self.stages, tables.chunks).loops:
@@ -242,11 +250,21 @@ class OneFOneBStep:
                 head_columns = (shares, columns) if forward and backward else ()
                 columns_now = (*(column[start:end] for column in clock_columns), *head_columns)
                 carry, _ = while_loop(_Clock(self, names, pieces, forward, backward), carry, columns_now)
-        gradients, weight_grads, held_grads, losses = carry[3], carry[4], carry[5], carry[6]
+        gradients, weight_grads, held_grads, losses = carry[4], carry[5], carry[6], carry[7]
         # The gradient of the i-th microbatch to enter rests in stage S - 1 - i % S: flipped back to stage i % S.
         gradients = gradients.unflatten(0, (self.stages, replicas)).flip(0).flatten(0, 1)
         held_grads = [g.sum(0) if g.is_floating_point() else None for g in held_grads]  # the row groups' added up
         return losses.sum(), [gradients, *weight_grads, *held_grads]
+
+    def _kept_ring(self, weights: tuple[torch.Tensor, ...], valid: torch.Tensor, x: torch.Tensor,
+                   rounds: torch.Tensor, keys: torch.Tensor, slots: int) -> tuple[torch.Tensor, ...]:
+        """With :attr:`stashed`, a ring of ``slots`` for each activation the stages'
+        backward reads, ``[S * P, slots, ...]``, as zeros (their shapes from a trace of the
+        forward that runs nothing); none without."""
+        if self.stashed is None:
+            return ()
+        _, kept = self.stashed.forward(weights, valid, x, rounds, keys)
+        return tuple(torch.zeros(k.shape[0], slots, *k.shape[1:], dtype=k.dtype, device=k.device) for k in kept)
 
     def next_stage(self, x: torch.Tensor, stages: int) -> torch.Tensor:
         """``x`` (``[S * P, ...]``, stage-major) moved ``stages`` stages up (positive) or
@@ -327,14 +345,6 @@ def _real_pieces(layout: SlotLayout, microbatched: bool) -> np.ndarray:
     return (stage * layout.replicas + replica) * layout.slots + slot < layout.chunks * layout.replicas
 
 
-def check_options(checkpoint: str) -> None:
-    """What 1F1B under the spmd executor runs so far, refused by name otherwise."""
-    if checkpoint != "always":
-        raise ValueError(f"checkpoint: schedule='1f1b' under the spmd executor recomputes each stage's forward from "
-                         f"its stashed input in the backward clock, which is checkpoint='always', not {checkpoint!r}; "
-                         "pass checkpoint='always', or use schedule='gpipe'")
-
-
 def _stage_vjp(run_stages: Callable[..., torch.Tensor], weights: tuple[torch.Tensor, ...], valid: torch.Tensor,
                x: torch.Tensor, rounds: torch.Tensor, keys: torch.Tensor, gradient: torch.Tensor
                ) -> tuple[torch.Tensor, list[torch.Tensor]]:
@@ -369,6 +379,21 @@ def _where(live: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return torch.where(live.view(-1, *[1] * (x.dim() - 1)) > 0, x, torch.zeros_like(x))
 
 
+def _written(ring: torch.Tensor, slots: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """``ring`` (``[S * P, W, ...]``) with ``x`` (``[S * P, ...]``) written into slot
+    ``slots[d]`` on each device ``d``."""
+    return ring.scatter(1, _slot_index(slots, x.unsqueeze(1)), x.unsqueeze(1))
+
+
+def _read(ring: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """Slot ``slots[d]`` of ``ring`` on each device ``d``."""
+    return ring.gather(1, _slot_index(slots, ring[:, :1])).squeeze(1)
+
+
+def _slot_index(slots: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    return slots.view(-1, *[1] * (like.dim() - 1)).expand(like.shape)
+
+
 class _Clock:
     """The body of one of the three loops: a forward, a backward, or both (with the
     layers after the body and the loss, for the microbatch leaving the last stage)."""
@@ -379,7 +404,7 @@ class _Clock:
 
     def __call__(self, carry: tuple, columns: tuple) -> tuple[tuple, tuple]:
         step = self.step
-        (state, gradient, stash, buffer, weight_grads, held_grads, losses, weights, held, valid, rounds) = carry
+        (state, gradient, stash, rings, buffer, weight_grads, held_grads, losses, weights, held, valid, rounds) = carry
         read, write, forwards, backwards, stash_write, stash_read, keys, backward_keys, *head = columns
         devices = state.shape[0]
         device = torch.arange(devices, device=state.device).view(-1, 1, 1)
@@ -393,9 +418,13 @@ class _Clock:
         buffer = torch.where(read_mask > 0, down[:, 1].unsqueeze(1), buffer)
         if self.forward:
             x = torch.where(first, entering, up[:, 0])
-            stash = torch.where(stash_write.view(*stash_write.shape, 1, 1) > 0, x.unsqueeze(1), stash)
-            with torch.no_grad():
-                state = step.run_stages(weights, valid, x, rounds, keys)
+            stash = _written(stash, stash_write, x)
+            if step.stashed is None:
+                with torch.no_grad():
+                    state = step.run_stages(weights, valid, x, rounds, keys)
+            else:
+                state, kept = step.stashed.forward(weights, valid, x, rounds, keys)
+                rings = tuple(_written(ring, stash_write, k) for ring, k in zip(rings, kept))
         if self.backward:
             incoming = down[:, 0]
             if self.forward:  # the last stage's gradient is its loss's, this clock
@@ -405,13 +434,18 @@ class _Clock:
                 incoming = torch.where(last, from_loss, incoming)
                 losses = losses + loss
                 held_grads = tuple(total + g for total, g in zip(held_grads, found))
-            saved = (stash * stash_read.view(*stash_read.shape, 1, 1)).sum(1)
-            gradient, found = _stage_vjp(step.run_stages, weights, valid, saved, rounds, backward_keys, incoming)
+            saved = _read(stash, stash_read)
+            if step.stashed is None:
+                gradient, found = _stage_vjp(step.run_stages, weights, valid, saved, rounds, backward_keys, incoming)
+            else:
+                kept = tuple(_read(ring, stash_read) for ring in rings)
+                gradient, found = step.stashed.vjp(weights, valid, saved, rounds, backward_keys, kept, incoming)
             gradient = _where(backwards, gradient)
             weight_grads = tuple(total + _where(backwards, g) for total, g in zip(weight_grads, found))
             leaving = torch.where(first, gradient, up[:, 1])
             buffer = torch.where(write_mask > 0, leaving.unsqueeze(1), buffer)
-        return (state, gradient, stash, buffer, weight_grads, held_grads, losses, weights, held, valid, rounds), ()
+        return (state, gradient, stash, rings, buffer, weight_grads, held_grads, losses, weights, held, valid,
+                rounds), ()
 
 
 class _Step(torch.autograd.Function):

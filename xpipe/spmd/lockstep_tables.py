@@ -22,15 +22,15 @@ class OneFOneBTables:
             gradient into (a column read empty before).
         forwards: ``[T, S]`` 1 where the stage runs a microbatch's forward.
         backwards: ``[T, S]`` 1 where the stage runs a microbatch's backward.
-        stash_writes: ``[T, S]`` the ring slot the stage's input is stashed in.
-        stash_reads: ``[T, S]`` the ring slot its backward reads.
+        stash_writes: ``[T]`` the ring slot every stage's input is stashed in: the clock's
+            index modulo ``W``.
+        stash_reads: ``[T, S]`` the ring slot each stage's backward reads.
         ring: ``W``, the ring's slots (:attr:`xpipe.schedule.Lockstep.ring`).
 
-    A stage's ring slot is its microbatch's index modulo ``W``, for every cell, idle
-    ones too: an idle forward's microbatch (before the first or after the last) is one
-    no backward reads, and its slot's last microbatch was read before (stage ``s`` reads
-    microbatch ``i`` ``2(S - 1 - s)`` clocks after writing it, and writes ``i + W`` ``W``
-    clocks after). So every device writes and reads one slot each clock, by index.
+    Every stage writes the same slot each clock, idle cells too: stage ``s`` reads what
+    it wrote ``2(S - 1 - s) < W`` clocks later, before the slot comes round again. So
+    the write is one in-place update at one index on every device, and each device
+    reads its own slot.
         backward_clocks: ``[T, S]`` the clock of the forward the stage's backward recomputes
             (its dropout masks are that clock's).
     """
@@ -58,7 +58,7 @@ def one_f_one_b_tables(stages: int, chunks: int, slots: int) -> OneFOneBTables:
     clocks, width = lockstep.clocks, lockstep.ring
     tables = OneFOneBTables(np.zeros((clocks, slots), np.float32), np.zeros((clocks, slots), np.float32),
                             np.zeros((clocks, stages), np.float32), np.zeros((clocks, stages), np.float32),
-                            np.zeros((clocks, stages), np.int64), np.zeros((clocks, stages), np.int64),
+                            np.arange(clocks, dtype=np.int64) % width, np.zeros((clocks, stages), np.int64),
                             np.zeros((clocks, stages), np.int64), width)
     for clock in range(clocks):
         entering, emerged = lockstep.forward(clock, 0), lockstep.backward(clock, 0)
@@ -68,8 +68,7 @@ def one_f_one_b_tables(stages: int, chunks: int, slots: int) -> OneFOneBTables:
             tables.gradient_writes[clock, emerged // stages] = 1
         for stage in range(stages):
             forward, backward = lockstep.forward(clock, stage), lockstep.backward(clock, stage)
-            tables.stash_writes[clock, stage] = (clock - stage) % width
-            tables.stash_reads[clock, stage] = (clock - (2 * stages - 2 - stage)) % width
+            tables.stash_reads[clock, stage] = (clock - 2 * (stages - 1 - stage)) % width
             if forward is not None:
                 tables.forwards[clock, stage] = 1
             if backward is not None:

@@ -234,7 +234,7 @@ class OneFOneBStep:
 
         clock_columns = (torch.as_tensor(tables.reads, dtype=slots.dtype).to(device),
                          torch.as_tensor(tables.gradient_writes, dtype=slots.dtype).to(device),
-                         per_device(tables.forwards), per_device(tables.backwards), indices(tables.stash_writes),
+                         per_device(tables.forwards), per_device(tables.backwards), torch.as_tensor(tables.stash_writes).to(device),
                          indices(tables.stash_reads), keys, keys.gather(0, indices(tables.backward_clocks)))
         held = tuple(self.placement.per_device(t) for t in held)
         rounds = torch.ones(slots.shape[0], 1, dtype=slots.dtype, device=device)
@@ -379,19 +379,17 @@ def _where(live: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return torch.where(live.view(-1, *[1] * (x.dim() - 1)) > 0, x, torch.zeros_like(x))
 
 
-def _written(ring: torch.Tensor, slots: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+def _written(ring: torch.Tensor, slot: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """``ring`` (``[S * P, W, ...]``) with ``x`` (``[S * P, ...]``) written into slot
-    ``slots[d]`` on each device ``d``."""
-    return ring.scatter(1, _slot_index(slots, x.unsqueeze(1)), x.unsqueeze(1))
+    ``slot`` (a scalar, the same on every device): one in-place update."""
+    return ring.index_copy(1, slot.view(1), x.unsqueeze(1))
 
 
 def _read(ring: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """Slot ``slots[d]`` of ``ring`` on each device ``d``."""
-    return ring.gather(1, _slot_index(slots, ring[:, :1])).squeeze(1)
-
-
-def _slot_index(slots: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    return slots.view(-1, *[1] * (like.dim() - 1)).expand(like.shape)
+    """Slot ``slots[d]`` of ``ring`` on each device ``d`` (a gather along the slot dim,
+    local to the device)."""
+    index = slots.view(-1, *[1] * (ring.dim() - 1)).expand(ring.shape[0], 1, *ring.shape[2:])
+    return ring.gather(1, index).squeeze(1)
 
 
 class _Clock:

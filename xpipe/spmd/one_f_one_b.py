@@ -225,23 +225,21 @@ class OneFOneBStep:
         device, replicas = slots.device, self.replicas
         clocks = len(tables.reads)
 
-        def per_device(table: np.ndarray) -> torch.Tensor:  # [T, S, ...] -> [T, S * P, ...]
-            return torch.as_tensor(table, dtype=slots.dtype).repeat_interleave(replicas, 1).to(device)
+        def per_device(table: np.ndarray, dtype: torch.dtype | None = slots.dtype) -> torch.Tensor:
+            return torch.as_tensor(table, dtype=dtype).repeat_interleave(replicas, 1).to(device)  # [T, S * P, ...]
 
         keys = cell_keys(seed, torch.arange(clocks, dtype=torch.int32, device=device), self.stages, replicas)
-        def indices(table: np.ndarray) -> torch.Tensor:  # [T, S] -> [T, S * P]
-            return torch.as_tensor(table).repeat_interleave(replicas, 1).to(device)
-
         clock_columns = (torch.as_tensor(tables.reads, dtype=slots.dtype).to(device),
                          torch.as_tensor(tables.gradient_writes, dtype=slots.dtype).to(device),
-                         per_device(tables.forwards), per_device(tables.backwards), torch.as_tensor(tables.stash_writes).to(device),
-                         indices(tables.stash_reads), keys, keys.gather(0, indices(tables.backward_clocks)))
+                         per_device(tables.forwards), per_device(tables.backwards),
+                         torch.as_tensor(tables.stash_writes).to(device), per_device(tables.stash_reads, None), keys,
+                         keys.gather(0, per_device(tables.backward_clocks, None)))
         held = tuple(self.placement.per_device(t) for t in held)
         rounds = torch.ones(slots.shape[0], 1, dtype=slots.dtype, device=device)
         first = slots[:, 0]  # idle cells run real rows (see xpipe.spmd.conveyor)
         stash = first.unsqueeze(1).expand(-1, tables.ring, *first.shape[1:]).clone()  # the ring
-        carry = (first.clone(), torch.zeros_like(first), stash, self._kept_ring(weights, valid, first, rounds, keys[0],
-                                                                                 stash.shape[1]), slots,
+        kept = self._kept_ring(weights, valid, first, rounds, keys[0], tables.ring)
+        carry = (first.clone(), torch.zeros_like(first), stash, kept, slots,
                  tuple(torch.zeros_like(w) for w in weights), tuple(_zero_gradient(t) for t in held),
                  torch.zeros(slots.shape[0], dtype=torch.float32, device=device), weights, held, valid, rounds)
         for cells, start, end in Lockstep(self.stages, tables.chunks).loops:

@@ -25,14 +25,14 @@ class OneFOneBTables:
         stash_writes: ``[T]`` the ring slot every stage's input is stashed in: the clock's
             index modulo ``W``.
         stash_reads: ``[T, S]`` the ring slot each stage's backward reads.
+        backward_clocks: ``[T, S]`` the clock of the forward the stage's backward recomputes
+            (its dropout masks are that clock's).
         ring: ``W``, the ring's slots (:attr:`xpipe.schedule.Lockstep.ring`).
 
     Every stage writes the same slot each clock, idle cells too: stage ``s`` reads what
     it wrote ``2(S - 1 - s) < W`` clocks later, before the slot comes round again. So
     the write is one in-place update at one index on every device, and each device
     reads its own slot.
-        backward_clocks: ``[T, S]`` the clock of the forward the stage's backward recomputes
-            (its dropout masks are that clock's).
     """
 
     reads: np.ndarray

@@ -346,8 +346,10 @@ def _real_pieces(layout: SlotLayout, microbatched: bool) -> np.ndarray:
 def _stage_vjp(run_stages: Callable[..., torch.Tensor], weights: tuple[torch.Tensor, ...], valid: torch.Tensor,
                x: torch.Tensor, rounds: torch.Tensor, keys: torch.Tensor, gradient: torch.Tensor
                ) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """Every stage's forward from its stashed input ``x``, again, and the gradients of
-    its input and weights for its output's ``gradient``."""
+    """Every stage's forward from its stashed input ``x`` (``run_stages``: run again, or
+    with ``checkpoint="never"`` reading what the forward kept,
+    :meth:`StashedActivations.reading`), and the gradients of its input and weights for
+    its output's ``gradient``."""
     with torch.enable_grad():
         leaves = [x.detach().requires_grad_(), *(w.detach().requires_grad_() for w in weights)]
         y = run_stages(tuple(leaves[1:]), valid, leaves[0], rounds, keys)
@@ -430,12 +432,10 @@ class _Clock:
                 incoming = torch.where(last, from_loss, incoming)
                 losses = losses + loss
                 held_grads = tuple(total + g for total, g in zip(held_grads, found))
-            saved = _read(stash, stash_read)
-            if step.stashed is None:
-                gradient, found = _stage_vjp(step.run_stages, weights, valid, saved, rounds, backward_keys, incoming)
-            else:
-                kept = tuple(_read(ring, stash_read) for ring in rings)
-                gradient, found = step.stashed.vjp(weights, valid, saved, rounds, backward_keys, kept, incoming)
+            run = step.run_stages if step.stashed is None else step.stashed.reading(
+                tuple(_read(ring, stash_read) for ring in rings))
+            gradient, found = _stage_vjp(run, weights, valid, _read(stash, stash_read), rounds, backward_keys,
+                                         incoming)
             gradient = _where(backwards, gradient)
             weight_grads = tuple(total + _where(backwards, g) for total, g in zip(weight_grads, found))
             leaving = torch.where(first, gradient, up[:, 1])

@@ -14,12 +14,13 @@ refuses them), and what autograd saves leaves the vmapped forward as outputs, ea
 
 Which saved tensors go into the ring: those the autograd graph shows to depend on the
 stage's input, each once, and for a view (a reshape, a transpose) the tensor it views,
-which the backward clock views again the same way. The others (the weights and views of them, dropout masks drawn from the
-cell's key, constants) are made again in the backward clock, which runs the stage's
-forward on its stashed input with the ring's tensors in place of the ones that forward
-would save; XLA drops the forward's work that nothing reads. A tensor made from the
-input without gradients (an index) is not on the graph: it is made again from the
-stashed input, which costs work and is never a wrong value.
+which the backward clock views again the same way. The others (the weights and views
+of them, dropout masks drawn from the cell's key, constants) are made again in the
+backward clock, which runs the stage's forward on its stashed input with the ring's
+tensors in place of the ones that forward would save; XLA drops the forward's work
+that nothing reads. A tensor made from the input without gradients (an index) is not
+on the graph: it is made again from the stashed input, which costs work and is never
+a wrong value.
 
 The grad level and a view's replay onto the ring's tensor (``Tensor._view_func``) are
 functorch's and autograd's internals in the pinned torch 2.9; a backward trace that
@@ -64,18 +65,17 @@ class StashedActivations:
         output, kept = torch.vmap(self._forward_one)(weights, valid, state, rounds, keys)
         return self.leave(output), kept
 
-    def vjp(self, weights: tuple[torch.Tensor, ...], valid: torch.Tensor, state: torch.Tensor,
-            rounds: torch.Tensor, keys: torch.Tensor, kept: tuple[torch.Tensor, ...], gradient: torch.Tensor
-            ) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """The gradients of every stage's input ``state`` and ``weights`` for its output's
-        ``gradient``, from the activations :meth:`forward` kept for that input."""
-        with torch.enable_grad():
-            leaves = [state.detach().requires_grad_(), *(w.detach().requires_grad_() for w in weights)]
-            entered_weights, entered = self.enter(tuple(leaves[1:]), leaves[0])
-            output = _FromKept.apply(self, valid, rounds, keys, len(kept), *kept, entered, *entered_weights)
-            found = torch.autograd.grad(self.leave(output), leaves, gradient, allow_unused=True)
-        found = [torch.zeros_like(leaf) if g is None else g for g, leaf in zip(found, leaves)]
-        return found[0], found[1:]
+    def reading(self, kept: tuple[torch.Tensor, ...]) -> Callable[..., torch.Tensor]:
+        """Every stage's blocks, ``(weights, valid, state, rounds, keys) -> state`` as the
+        clock loop runs them, whose backward reads ``kept`` (what :meth:`forward` kept for
+        that input) instead of running the forward again: the value of the output is not
+        computed, only its gradient."""
+        def run(weights: tuple[torch.Tensor, ...], valid: torch.Tensor, state: torch.Tensor, rounds: torch.Tensor,
+                keys: torch.Tensor) -> torch.Tensor:
+            weights, state = self.enter(weights, state)
+            return self.leave(_FromKept.apply(self, valid, rounds, keys, len(kept), *kept, state, *weights))
+
+        return run
 
     def _forward_one(self, weights: tuple[torch.Tensor, ...], valid: torch.Tensor, x: torch.Tensor,
                      round_: torch.Tensor, key: torch.Tensor) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
@@ -177,14 +177,10 @@ def _at_grad_level(stage: Stage, primals: tuple[torch.Tensor, ...], pack: Callab
             if gradient is None:
                 return _undo_create_differentiable(output, level)
             wanted = [t for t in inputs if t.requires_grad]
-            found = iter(torch.autograd.grad(output, wanted, _wrap_all_tensors(gradient, level), allow_unused=True))
-        grads = [_or_zeros(next(found), t) if t.requires_grad else torch.zeros_like(t, dtype=torch.float32)
-                 for t in inputs]
+            found = iter(torch.autograd.grad(output, wanted, _wrap_all_tensors(gradient, level),
+                                             materialize_grads=True))
+        grads = [next(found) if t.requires_grad else torch.zeros_like(t, dtype=torch.float32) for t in inputs]
         return tuple(_undo_create_differentiable(g, level) for g in grads)
-
-
-def _or_zeros(gradient: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
-    return torch.zeros_like(like) if gradient is None else gradient
 
 
 def _unwrapped(saved: torch.Tensor, level: int) -> torch.Tensor:

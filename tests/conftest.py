@@ -19,6 +19,7 @@ import pytest  # noqa: E402
 
 from counting import count_captures, count_schedule_builds  # noqa: E402
 from tiers import DurationRecorder, add_tier_option, select_tier  # noqa: E402
+from worker_order import balanced_order, expected_seconds, xdist_workers  # noqa: E402
 
 SPMD_WORKER = os.environ.get("XPIPE_SPMD_WORKER") == "1"
 
@@ -53,6 +54,8 @@ def pytest_configure(config: pytest.Config) -> None:
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     select_tier(config, items)
+    if xdist_workers() > 1:  # every xdist worker collects, and must find the same order
+        items[:] = balanced_order(items, expected_seconds(config.getoption("tier")), xdist_workers())
 
 
 @pytest.fixture

@@ -4,7 +4,10 @@ Runs pytest (arguments after ``--`` go to it, e.g. ``-- --tier=all``) with
 ``XPIPE_DURATIONS`` set, so that every pytest process, own-process workers
 included, records its tests' seconds (tests/tiers.py); then prints, as
 Markdown, each tier's total, the seconds per test file and the slowest tests.
-``--from FOLDER`` reports a folder of records from an earlier run instead.
+``--from FOLDER`` reports a folder of records from an earlier run instead;
+``--write-durations`` also keeps each item's seconds, by tier, in
+``tests/durations.json``, from which ``tests/worker_order.py`` deals the items to
+pytest-xdist's workers (run it after adding or moving long tests).
 
     .venv/bin/python tools/test_durations.py -- --tier=quick
 """
@@ -79,20 +82,34 @@ def report(folder: Path, slowest: int) -> str:
     return "\n".join(lines)
 
 
+def write_durations(folder: Path, path: Path = ROOT / "tests" / "durations.json") -> None:
+    """Keep each item the main process ran (an own-process file is one item), by tier,
+    in ``path``: the seconds ``tests/worker_order.py`` orders a run's items by."""
+    mains, _ = read_records(folder)
+    kept = json.loads(path.read_text()) if path.exists() else {}
+    for record in mains:
+        tiers = ("quick", "full") if record["tier"] == "all" else (record["tier"],)
+        if len(tiers) > 1:
+            raise SystemExit("--write-durations: run one tier at a time (--tier=quick, then --tier=full)")
+        kept[tiers[0]] = {test["nodeid"]: round(test["seconds"], 1) for test in record["tests"]}
+    path.write_text(json.dumps(kept, indent=1, sort_keys=True) + "\n")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--from", dest="folder", type=Path, help="report the records in FOLDER; run nothing")
     parser.add_argument("--slowest", type=int, default=10, help="how many of the slowest tests to list (10)")
     parser.add_argument("--keep", type=Path, help="record into KEEP (kept) instead of a temporary folder")
+    parser.add_argument("--write-durations", action="store_true",
+                        help="keep each item's seconds in tests/durations.json, for tests/worker_order.py")
     arguments, pytest_args = parser.parse_known_args(argv)
     pytest_args = [a for a in pytest_args if a != "--"]
-    if arguments.folder is not None:
-        print(report(arguments.folder, arguments.slowest))
-        return 0
     with tempfile.TemporaryDirectory() as temporary:
-        folder = arguments.keep or Path(temporary)
-        code = run_pytest(folder, pytest_args)
+        folder = arguments.folder or arguments.keep or Path(temporary)
+        code = 0 if arguments.folder else run_pytest(folder, pytest_args)
         print(report(folder, arguments.slowest))
+        if arguments.write_durations:
+            write_durations(folder)
     return code
 
 

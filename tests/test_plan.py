@@ -272,7 +272,7 @@ def test_1f1b_is_planned_with_a_ring_of_stage_inputs_or_of_activations_not_one_p
     assert one_f_one_b[32].bubble == gpipe_[32].bubble == xpipe.schedule.Lockstep(4, 32).bubble_fraction
     head = one_f_one_b[32].seconds["compute"] - gpipe_[32].seconds["compute"]
     never = {chunks: planned("1f1b", chunks, "never") for chunks in (8, 32)}
-    cell = 2 * profile.block_saved_bytes_per_row * profile.blocks // 4  # a stage's blocks, two rows
+    cell = 2 * profile.block_kept_bytes_per_row * profile.blocks // 4  # a stage's blocks, two rows
     ring = never[8].memory["activations"] - one_f_one_b[8].memory["activations"]
     assert ring >= xpipe.schedule.Lockstep(4, 8).ring * cell, "a ring of 2S - 1 cells' activations besides"
     assert never[32].memory["activations"] - never[8].memory["activations"] == pytest.approx(growth, abs=2)

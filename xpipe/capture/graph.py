@@ -19,7 +19,11 @@ Node attributes (layers):
     activation_bytes_by_width ((last dim, bytes) pairs of what it saves for backward:
     the planner counts what is as wide as the stream whole over "tensor"),
     attention_bytes (of activation_bytes, the attention probabilities: the planner
-    counts their gradient, as large, in the backward).
+    counts their gradient, as large, in the backward), kept_bytes (what it saves
+    that no earlier layer saved, each tensor once and only those that carry a
+    gradient, with the probabilities: what 1F1B under spmd keeps of it with
+    ``checkpoint="never"``, where activation_bytes counts a tensor once per op of
+    the layer that saves it).
 Edge attributes: tensors (list of dicts with name, shape, dtype, bytes), bytes.
 Graph attributes: layers (layer names in execution order), model (class name),
 inputs (input node names), annotated (whether a sample input was run).
@@ -186,11 +190,13 @@ class _Profiler(torch.fx.Interpreter):
     def __init__(self, traced: torch.fx.GraphModule, weights: set[int]) -> None:
         super().__init__(traced)
         self.weights = weights
+        self.kept: dict[int, int] = {}  # bytes by storage: each saved activation that carries a gradient, once
         self.records: dict[torch.fx.Node, dict[str, Any]] = {}
 
     def run_node(self, node: torch.fx.Node) -> Any:
         saved: dict[int, tuple[int, int]] = {}
-        with FlopCounterMode(display=False) as flops, _count_saved(saved, self.weights), \
+        kept_before = len(self.kept)
+        with FlopCounterMode(display=False) as flops, _count_saved(saved, self.weights, self.kept), \
                 _AttentionProbabilities() as attention:
             start = time.perf_counter()
             value = super().run_node(node)
@@ -199,6 +205,7 @@ class _Profiler(torch.fx.Interpreter):
             "value": value,
             "flops": flops.get_total_flops(),
             "activation_bytes": sum(size for size, _ in saved.values()) + attention.bytes,
+            "kept_bytes": sum(list(self.kept.values())[kept_before:]) + attention.bytes,  # those this node added
             "attention_bytes": attention.bytes,
             "activation_bytes_by_width": _by_width((width, size) for size, width in saved.values()),
             "time_s": elapsed,
@@ -235,9 +242,10 @@ def _by_width(pairs: Iterable[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
 
 
 @contextlib.contextmanager
-def _count_saved(saved: dict[int, tuple[int, int]], weights: set[int]) -> Iterator[None]:
+def _count_saved(saved: dict[int, tuple[int, int]], weights: set[int], kept: dict[int, int]) -> Iterator[None]:
     """Record the bytes of every activation autograd saves for backward, and the last
-    dim of the tensor it was first saved as, by storage.
+    dim of the tensor it was first saved as, by storage; and add to ``kept`` the bytes
+    of those that carry a gradient (that depend on the input or a weight), by storage.
 
     Storages in ``weights`` (the model's parameters) are not activations. What is
     kept is a detached alias: the saved tensor itself (a node's own output, say)
@@ -250,6 +258,8 @@ def _count_saved(saved: dict[int, tuple[int, int]], weights: set[int]) -> Iterat
         storage = tensor.untyped_storage()
         if storage.data_ptr() not in weights:
             saved.setdefault(storage.data_ptr(), (storage.nbytes(), tensor.shape[-1] if tensor.dim() else 1))
+            if tensor.requires_grad:
+                kept.setdefault(storage.data_ptr(), storage.nbytes())
         return tensor.detach()
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
@@ -325,7 +335,7 @@ def _annotate(
 ) -> None:
     graph.graph["annotated"] = True
     by_name = {node.name: node for node in traced.graph.nodes}
-    measures = ("flops", "activation_bytes", "attention_bytes") + (("time_s",) if timed else ())
+    measures = ("flops", "activation_bytes", "attention_bytes", "kept_bytes") + (("time_s",) if timed else ())
     for name in graph.graph["layers"]:
         graph.nodes[name].update(dict.fromkeys(measures, 0))
     last = {layer_of[node]: node for node in traced.graph.nodes if node in layer_of and node in records}

@@ -33,7 +33,7 @@ BANDS: dict[str, Band] = {
     "1f1b, always, gather block, no tensor": Band(0.49, 1.31, 3),
     "1f1b, always, gather step, no tensor": Band(1.22, 1.27, 3),
     "1f1b, always, gather step, tensor": Band(0.62, 1.06, 3),
-    "1f1b, never, gather step, no tensor": Band(1.08, 1.39, 3),
+    "1f1b, never, gather step, no tensor": Band(1.03, 1.21, 3),
     "circular, always, gather step, no tensor": Band(0.88, 1.23, 9),
     "circular, except_last, gather step, no tensor": Band(0.94, 1.24, 9),
     "gpipe, always, gather block, no tensor": Band(0.91, 1.35, 9),

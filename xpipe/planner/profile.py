@@ -65,6 +65,10 @@ class ModelProfile:
     # Of what one block keeps, the attention probabilities of its largest attention: their gradient,
     # as large, is made whole in the backward while they are still held.
     block_attention_bytes_per_row: float = 0.0
+    # What one block keeps counted once each (block_saved_bytes_per_row counts a tensor once per op
+    # that saves it), of the tensors that carry a gradient: what 1F1B's ring holds for each block
+    # with checkpoint="never" (xpipe.spmd.stashed_activations). 0: as block_saved_bytes_per_row.
+    block_kept_bytes_per_row: float = 0.0
     heads: tuple[int, ...] = ()  # the query head counts a tensor size must divide
     key_value_heads: int | None = None  # config.num_key_value_heads, where the model has one
     tokens_per_row: int = 0  # a row's sequence length, where known (a config's), for the loss's segments
@@ -100,6 +104,7 @@ class ModelProfile:
                                    block_saved_bytes_per_row=self.block_saved_bytes_per_row * ratio,
                                    block_stream_saved_bytes_per_row=self.block_stream_saved_bytes_per_row * ratio,
                                    block_attention_bytes_per_row=self.block_attention_bytes_per_row * ratio,
+                                   block_kept_bytes_per_row=self.block_kept_bytes_per_row * ratio,
                                    outer_saved_bytes_per_row=self.outer_saved_bytes_per_row * ratio,
                                    itemsize=itemsize)
 
@@ -131,6 +136,7 @@ def profile_of_model(model: nn.Module, sample_input: Any) -> ModelProfile:
     total_flops = sum(graph.nodes[layer].get("flops", 0) for layer in layers)
     block_flops = sum(graph.nodes[layer].get("flops", 0) for layer in block_layers)
     block_saved = sum(graph.nodes[layer].get("activation_bytes", 0) for layer in block_layers)
+    block_kept = sum(graph.nodes[layer].get("kept_bytes", 0) for layer in block_layers)
     attention = max(graph.nodes[layer].get("attention_bytes", 0) for layer in block_layers)
     outer_saved = sum(graph.nodes[layer].get("activation_bytes", 0) for layer in layers if layer not in body_layers)
     itemsize = next(model.parameters()).element_size()
@@ -155,7 +161,7 @@ def profile_of_model(model: nn.Module, sample_input: Any) -> ModelProfile:
         stream_bytes_per_row=stream_bytes,
         hidden_bytes_per_row=hidden_bytes,
         block_saved_bytes_per_row=block_saved / rows, block_stream_saved_bytes_per_row=block_stream_saved / rows,
-        block_attention_bytes_per_row=attention / rows,
+        block_attention_bytes_per_row=attention / rows, block_kept_bytes_per_row=block_kept / rows,
         outer_saved_bytes_per_row=outer_saved / rows,
         itemsize=itemsize, heads=tuple(sorted(set(query_head_counts(model).values()))),
         key_value_heads=key_value_heads_of(model),
@@ -243,6 +249,10 @@ def profile_of_config(config: Any, seq: int, itemsize: int = 2, padding_mask: bo
     # (not a flash kernel) materialises.
     inner = _inner_per_token(config, intermediate)
     saved_elements = period * (seq * (10 * heads * head_dim + 2 * kv_heads * head_dim + 4 * inner) + heads * seq * seq)
+    # What 1F1B's ring keeps of it with checkpoint="never", each tensor once (read off XLA's buffer
+    # assignment for a Llama of width 64, tools/peak_grid.py --buffers): nine hidden-sized tensors per
+    # token, one key/value-sized, the four intermediate-sized, the two norms' scales, the probabilities.
+    kept_elements = period * (seq * (9 * heads * head_dim + kv_heads * head_dim + 4 * inner + 2) + heads * seq * seq)
     return ModelProfile(
         name=getattr(config, "name_or_path", "") or type(model).__name__, blocks=len(block_names) // period,
         block_weights=tuple((f"{layer}.{name}", tuple(p.shape)) for layer in first
@@ -255,7 +265,7 @@ def profile_of_config(config: Any, seq: int, itemsize: int = 2, padding_mask: bo
         hidden_bytes_per_row=seq * hidden * itemsize,
         block_saved_bytes_per_row=saved_elements * itemsize,
         block_stream_saved_bytes_per_row=period * WHOLE_STREAMS * seq * hidden * itemsize,
-        block_attention_bytes_per_row=heads * seq * seq * itemsize,
+        block_attention_bytes_per_row=heads * seq * seq * itemsize, block_kept_bytes_per_row=kept_elements * itemsize,
         # The logits in the model's dtype, their float32 copy for the loss, and its gradient.
         outer_saved_bytes_per_row=seq * vocab * (itemsize + 8), itemsize=itemsize,
         heads=(heads,), key_value_heads=kv_heads, tokens_per_row=seq)

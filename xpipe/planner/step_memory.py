@@ -110,7 +110,8 @@ def lockstep_terms(profile: ModelProfile, layout: Layout, depth: int, rows: int,
     cell = depth * block
     kept = layout.checkpoint == "never"  # each cell's activations wait in a ring of their own, none recomputed
     if kept:  # the ring, the clock's new cell before it is written in, and the backward's cell read out of it
-        buffers += lockstep.ring * cell
+        kept_per_row = profile.block_kept_bytes_per_row or profile.block_saved_bytes_per_row
+        buffers += lockstep.ring * depth * _block_saved(profile, layout, rows, kept_per_row)
     return LockstepTerms(
         resting=_resting(weights), gathered=weights.gathered + held, buffers=int(buffers),
         forward=int(cell if kept else block), working=int(block if layout.gather == "block" else cell),
@@ -119,12 +120,13 @@ def lockstep_terms(profile: ModelProfile, layout: Layout, depth: int, rows: int,
         warm_up=layout.stages - 1, steady=layout.stages * slots)
 
 
-def _block_saved(profile: ModelProfile, layout: Layout, rows: int) -> float:
-    """What one block saves for one microbatch of ``rows`` on one device: what is as wide
-    as the stream whole (split by sequence with sequence parallelism), the rest split
-    over "tensor"."""
+def _block_saved(profile: ModelProfile, layout: Layout, rows: int, per_row: float | None = None) -> float:
+    """What one block saves for one microbatch of ``rows`` on one device (``per_row``, by
+    default ``profile.block_saved_bytes_per_row``, a row): what is as wide as the stream
+    whole (split by sequence with sequence parallelism), the rest split over "tensor"."""
+    saved = profile.block_saved_bytes_per_row if per_row is None else per_row
     whole = 0.0 if layout.sequence_parallel else profile.block_stream_saved_bytes_per_row
-    return rows * (whole + (profile.block_saved_bytes_per_row - whole) / layout.tensor)
+    return rows * (whole + (saved - whole) / layout.tensor)
 
 
 def _attention_gradient(profile: ModelProfile, layout: Layout, rows: int) -> int:

@@ -190,24 +190,26 @@ class _Profiler(torch.fx.Interpreter):
     def __init__(self, traced: torch.fx.GraphModule, weights: set[int]) -> None:
         super().__init__(traced)
         self.weights = weights
-        self.kept: dict[int, int] = {}  # bytes by storage: each saved activation that carries a gradient, once
+        self.kept: set[int] = set()  # the storages of the saved activations that carry a gradient, counted so far
         self.records: dict[torch.fx.Node, dict[str, Any]] = {}
 
     def run_node(self, node: torch.fx.Node) -> Any:
-        saved: dict[int, tuple[int, int]] = {}
-        kept_before = len(self.kept)
-        with FlopCounterMode(display=False) as flops, _count_saved(saved, self.weights, self.kept), \
+        saved: dict[int, tuple[int, int, bool]] = {}
+        with FlopCounterMode(display=False) as flops, _count_saved(saved, self.weights), \
                 _AttentionProbabilities() as attention:
             start = time.perf_counter()
             value = super().run_node(node)
             elapsed = time.perf_counter() - start
+        kept = {storage: size for storage, (size, _, carries_gradient) in saved.items()
+                if carries_gradient and storage not in self.kept}
+        self.kept.update(kept)
         self.records[node] = {
             "value": value,
             "flops": flops.get_total_flops(),
-            "activation_bytes": sum(size for size, _ in saved.values()) + attention.bytes,
-            "kept_bytes": sum(list(self.kept.values())[kept_before:]) + attention.bytes,  # those this node added
+            "activation_bytes": sum(size for size, _, _ in saved.values()) + attention.bytes,
+            "kept_bytes": sum(kept.values()) + attention.bytes,
             "attention_bytes": attention.bytes,
-            "activation_bytes_by_width": _by_width((width, size) for size, width in saved.values()),
+            "activation_bytes_by_width": _by_width((width, size) for size, width, _ in saved.values()),
             "time_s": elapsed,
         }
         return value
@@ -242,10 +244,10 @@ def _by_width(pairs: Iterable[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
 
 
 @contextlib.contextmanager
-def _count_saved(saved: dict[int, tuple[int, int]], weights: set[int], kept: dict[int, int]) -> Iterator[None]:
-    """Record the bytes of every activation autograd saves for backward, and the last
-    dim of the tensor it was first saved as, by storage; and add to ``kept`` the bytes
-    of those that carry a gradient (that depend on the input or a weight), by storage.
+def _count_saved(saved: dict[int, tuple[int, int, bool]], weights: set[int]) -> Iterator[None]:
+    """Record the bytes of every activation autograd saves for backward, the last dim
+    of the tensor it was first saved as, and whether that carries a gradient (depends
+    on the input or a weight), by storage.
 
     Storages in ``weights`` (the model's parameters) are not activations. What is
     kept is a detached alias: the saved tensor itself (a node's own output, say)
@@ -257,9 +259,8 @@ def _count_saved(saved: dict[int, tuple[int, int]], weights: set[int], kept: dic
     def pack(tensor: torch.Tensor) -> torch.Tensor:
         storage = tensor.untyped_storage()
         if storage.data_ptr() not in weights:
-            saved.setdefault(storage.data_ptr(), (storage.nbytes(), tensor.shape[-1] if tensor.dim() else 1))
-            if tensor.requires_grad:
-                kept.setdefault(storage.data_ptr(), storage.nbytes())
+            width = tensor.shape[-1] if tensor.dim() else 1
+            saved.setdefault(storage.data_ptr(), (storage.nbytes(), width, tensor.requires_grad))
         return tensor.detach()
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):

@@ -17,10 +17,11 @@ ROOT = Path(__file__).parents[1]
 SCRIPTS = sorted([*ROOT.glob("tools/*.py"), *ROOT.glob("examples/*.py")])
 
 RUN_EACH_WITH_HELP = textwrap.dedent("""
-    import contextlib, io, json, runpy, sys, traceback
+    import contextlib, io, json, os, runpy, sys, traceback
     answers = {}
     for path in sys.argv[1:]:
         sys.argv = [path, "--help"]
+        sys.path.insert(0, os.path.dirname(path))  # as `python PATH` does: the script's folder first
         printed = io.StringIO()
         try:
             with contextlib.redirect_stdout(printed):
@@ -30,6 +31,7 @@ RUN_EACH_WITH_HELP = textwrap.dedent("""
             answers[path] = printed.getvalue() if done.code in (0, None) else f"exit {done.code}"
         except BaseException:
             answers[path] = traceback.format_exc()
+        sys.path.pop(0)
     print(json.dumps(answers))
 """)
 

@@ -88,8 +88,9 @@ def gemma2(layers: int = 4) -> Gemma2ForCausalLM:
     and global attention, each reading its own mask (a window of 4 over 8 tokens, so
     the two masks differ)."""
     torch.manual_seed(0)
-    return Gemma2ForCausalLM(Gemma2Config(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
-                                          num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+    return Gemma2ForCausalLM(Gemma2Config(vocab_size=128, hidden_size=32, intermediate_size=64,
+                                          num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                                          head_dim=8,
                                           max_position_embeddings=64, sliding_window=4, use_cache=False))
 
 
@@ -121,8 +122,9 @@ def phi3(layers: int = 4) -> Phi3ForCausalLM:
 def qwen2(layers: int = 4, vocab: int = 128) -> Qwen2ForCausalLM:
     """Qwen2: Llama's block with biases on q, k and v (grouped-query attention: 4 heads, 2 key/value heads)."""
     torch.manual_seed(0)
-    return Qwen2ForCausalLM(Qwen2Config(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
-                                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+    return Qwen2ForCausalLM(Qwen2Config(vocab_size=vocab, hidden_size=32, intermediate_size=64,
+                                        num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                                        max_position_embeddings=64,
                                         tie_word_embeddings=True, use_cache=False))
 
 

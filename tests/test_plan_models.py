@@ -135,7 +135,8 @@ SPLIT_FAMILIES = {
 }
 
 
-@pytest.mark.parametrize("family", ["llama", "encoder", *(in_full_tier(f) for f in ("llama-one-kv-head", "gpt2", "bert"))])
+@pytest.mark.parametrize("family", ["llama", "encoder",
+                                    *(in_full_tier(f) for f in ("llama-one-kv-head", "gpt2", "bert"))])
 def test_the_plan_holds_each_block_weight_split_as_the_pipe_splits_it(family):
     """Both read xpipe.tensor.splits.block_splits: the profile with what it read of the
     block's graph, the build on the sample input."""

@@ -226,7 +226,8 @@ def ratios(table: list[dict]) -> list[dict]:
 
 
 def ratio_markdown(found: list[dict]) -> str:
-    lines = ["| model | chunks | xpipe row | peer row | xpipe overhead / peer overhead |", "| --- | --- | --- | --- | --- |"]
+    lines = ["| model | chunks | xpipe row | peer row | xpipe overhead / peer overhead |",
+             "| --- | --- | --- | --- | --- |"]
     lines += [f"| {r['model']} | {r['chunks']} | {r['xpipe']} | {r['peer']} | {r['ratio']:.2f} |" for r in found]
     return "\n".join(lines) + "\n"
 
@@ -258,7 +259,8 @@ def main() -> None:
     size.add_argument("--full", action="store_true", help="the LM and the CNN, chunks 8 and 32, 7 steps")
     size.add_argument("--smoke", action="store_true", help="a tiny LM, chunks 4, one schedule per engine, one step")
     parser.add_argument("--out", type=Path, default=Path("bench-out"))
-    parser.add_argument("--only", nargs="+", metavar="ENGINE", help="these engines only (with their baselines and eager, the loss reference), "
+    parser.add_argument("--only", nargs="+", metavar="ENGINE",
+                        help="these engines only (with their baselines and eager, the loss reference), "
                         "e.g. xpipe-spmd xpipe-devices pippy torchgpipe xla spmd-dp")
     options = parser.parse_args()
     if options.full:

@@ -374,7 +374,8 @@ def _repeated_blocks(graph: nx.DiGraph, balance: tuple[int, ...]) -> RepeatedBlo
         return None
     covered, negative_period, start = best
     period = -negative_period
-    return RepeatedBlocks(start, period, covered // period, _blocks_per_stage(start, period, covered // period, balance))
+    count = covered // period
+    return RepeatedBlocks(start, period, count, _blocks_per_stage(start, period, count, balance))
 
 
 def _blocks_reading_alike(graph: nx.DiGraph, names: list[str], start: int, period: int, count: int) -> int:

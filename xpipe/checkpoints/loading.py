@@ -111,8 +111,8 @@ def _check_matches(path: Path, manifest: dict[str, Any], expected: dict[str, tor
     saved_kind = manifest.get("optimizer_kind")  # absent from checkpoints of xpipe before it was recorded
     if optimizer is not None and saved_kind is not None and saved_kind != optimizer_kind(optimizer):
         raise ValueError(f"optimizer: the checkpoint {str(path)!r} holds the state of a {saved_kind}, and this "
-                         f"optimizer is a {optimizer_kind(optimizer)}; build the optimizer the checkpoint was saved with, "
-                         "or load with optimizer=None (the weights only) and start the optimizer afresh")
+                         f"optimizer is a {optimizer_kind(optimizer)}; build the optimizer the checkpoint was saved "
+                         "with, or load with optimizer=None (the weights only) and start the optimizer afresh")
 
 
 def _optimizer_destinations(model: CheckpointState, optimizer: torch.optim.Optimizer, manifest: dict[str, Any],

@@ -185,8 +185,8 @@ class DevicesPipeline(nn.Module):
         self._begin(inputs, microbatch_dim)
         split = [microbatches_of(x, self.chunks, microbatch_dim) for x in inputs]
         cells = self.cells_for(len(split[0]))
-        targets = microbatches_of(target, [rows(piece) for piece in split[0]] if microbatch_dim is None else self.chunks,
-                         microbatch_dim)
+        chunks = [rows(piece) for piece in split[0]] if microbatch_dim is None else self.chunks
+        targets = microbatches_of(target, chunks, microbatch_dim)
         if len(targets) != len(split[0]):
             raise ValueError(f"target: splits into {len(targets)} microbatches, the inputs into {len(split[0])}; "
                              "give the target the inputs' batch size (and microbatch_dim)")

@@ -272,8 +272,9 @@ def nowhere(result: Plan) -> str:
 def _row(index: int, prediction: Prediction) -> str:
     layout = prediction.layout
     parts = " ".join(f"{prediction.memory[kind] / GiB:5.2f}" for kind in KINDS)
-    return (f"{index:>3}  {layout.stages:>5} {layout.data:>4} {layout.fsdp:>4} {layout.tensor:>6}  {layout.schedule_label:<12} "
-            f"{layout.chunks:>6}  {layout.checkpoint:<11} {layout.gather:<6} {prediction.bytes / GiB:>10.2f}  ({parts})  "
+    return (f"{index:>3}  {layout.stages:>5} {layout.data:>4} {layout.fsdp:>4} {layout.tensor:>6}  "
+            f"{layout.schedule_label:<12} {layout.chunks:>6}  {layout.checkpoint:<11} {layout.gather:<6} "
+            f"{prediction.bytes / GiB:>10.2f}  ({parts})  "
             f"{prediction.bubble:>6.3f}  {prediction.step_seconds:>8.3f}  {_band_text(prediction)}")
 
 

@@ -384,7 +384,8 @@ def _communication(profile: ModelProfile, layout: Layout, schedule: Schedule, de
     # per block, every clock gathers its round's slots twice (the forward, the recomputation) and reduces once.
     fsdp_bytes = 2 * gathered
     if layout.gather == "block":
-        fsdp_bytes = (3 * len(schedule.forward_clocks()) * stage_weights / layout.virtual + 2 * outer_weights) * itemsize
+        per_clock = 3 * len(schedule.forward_clocks()) * stage_weights / layout.virtual
+        fsdp_bytes = (per_clock + 2 * outer_weights) * itemsize
     cells = schedule.chunks * layout.virtual
     tensor_reductions = cells * depth * (4 + 2 * _recomputes(schedule, layout.checkpoint))  # Megatron: 2 + 2 a block
     packed, hidden = rows * profile.stream_bytes_per_row, rows * profile.hidden_bytes_per_row

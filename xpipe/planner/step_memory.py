@@ -79,7 +79,8 @@ def step_terms(profile: ModelProfile, layout: Layout, depth: int, rows: int, bat
     # The recomputing loop keeps its cells' inputs, the stage's weights among them (every round's, on a
     # circular stage); a keeping clock keeps what its cell read: the round's weights.
     return StepTerms(
-        resting=_resting(weights), gathered=copies, gathered_gradients=gradients, outer_gradients=weights.gathered_outer,
+        resting=_resting(weights), gathered=copies, gathered_gradients=gradients,
+        outer_gradients=weights.gathered_outer,
         kept_weights=weights.kept_per_clock, kept_round_weights=weights.kept_per_clock // layout.virtual,
         conveyor=int((slots + 1) * conveyed), recomputing_input=int(recomputed), keeping_cell=int(cell),
         working=int(working), attention_gradient=_attention_gradient(profile, layout, rows),

@@ -159,7 +159,8 @@ class SpmdPipeline(nn.Module):
             return self._one_f_one_b_output(inputs, microbatch_dim)
         entry = self._entering(inputs, microbatch_dim)
         layout, microbatched = entry.layout, entry.microbatched
-        slots, after = fenced(entry.slots, (entry.skips, entry.outer[self.post]))  # the loop starts when all before it is done
+        # The loop starts when all before it is done.
+        slots, after = fenced(entry.slots, (entry.skips, entry.outer[self.post]))
         finished = self._run_clocks(self.placement.conveyed(slots), layout, entry.packing, entry.constants)
         finished, (skips, post_weights) = fenced(finished, after)  # and what follows it starts when it ends
         finished = self.placement.whole_rows(finished)

@@ -92,7 +92,8 @@ class Packing:
         return flat.reshape(flat.shape[0], self.ways, part)
 
     def _uncut(self, part: torch.Tensor, index: int) -> torch.Tensor:
-        """Piece ``index`` from its ``[rows, ways, part]`` parts (:meth:`_cut`'s inverse), in its own shape and dtype."""
+        """Piece ``index`` from its ``[rows, ways, part]`` parts (:meth:`_cut`'s inverse), in its own
+        shape and dtype."""
         whole = part.flatten(1)[:, : self.sizes[index]]
         return whole.reshape(part.shape[0], *self.shapes[index]).to(self.dtypes[index])
 

@@ -211,6 +211,32 @@ def plan(model: nn.Module | ModelProfile | Any, *, devices: int, batch: int, chi
     Raises:
         ValueError: naming the argument, for a bad count, size, chip or policy.
     """
+    chip, capacity = _chip_and_capacity(chip, memory_per_device, over_chip_memory, devices=devices, batch=batch,
+                                        slices=slices, max_tensor=max_tensor)
+    check_optimizer_states(optimizer_states)
+    if not isinstance(padding_mask, bool):
+        raise TypeError(f"padding_mask: expected True or False (whether the batches give an attention_mask), "
+                        f"got {padding_mask!r}")
+    if not isinstance(sequence_parallel, bool):
+        raise TypeError(f"sequence_parallel: expected True or False (Pipe's), got {sequence_parallel!r}")
+    profile = _profile(model, sample_input, seq, padding_mask)
+    itemsize = profile.itemsize if itemsize is None else itemsize
+    _check_policies(profile, itemsize, checkpoints, gathers, sequence_parallel)
+    if slices > 1 and chip.dcn_bandwidth is None:
+        raise ValueError(f"slices: {chip.name} has no published DCN bandwidth; give a Chip with dcn_bandwidth")
+    predictions = [predict(profile, layout, chip=chip, batch=batch, capacity=capacity, itemsize=itemsize,
+                           optimizer_states=optimizer_states, tensor_rules=tensor_rules, slices=slices)
+                   for layout in layouts(profile, devices, batch, checkpoints, max_tensor, tensor_rules, slices,
+                                         sequence_parallel)
+                   if layout.gather in gathers]
+    fitting = sorted((p for p in predictions if p.fits), key=lambda p: (p.step_seconds, p.bytes))
+    refused = sorted((p for p in predictions if not p.fits), key=lambda p: p.bytes)
+    return Plan(profile, chip, devices, batch, capacity, fitting, refused)
+
+
+def _chip_and_capacity(chip: str | Chip, memory_per_device: int | None, over_chip_memory: bool, *, devices: int,
+                       batch: int, slices: int, max_tensor: int) -> tuple[Chip, int]:
+    """:func:`plan`'s chip and the bytes a device may hold, checked with the counts."""
     if not isinstance(chip, (str, Chip)):
         raise TypeError(f"chip: expected a preset's name ({', '.join(PRESETS)}) or an xpipe.planner.Chip, got "
                         f"{type(chip).__name__}")
@@ -222,14 +248,12 @@ def plan(model: nn.Module | ModelProfile | Any, *, devices: int, batch: int, chi
                          f"({chip.memory / GiB:.2f} GiB of HBM): layouts planned to it would not fit the chip. "
                          f"Give at most {chip.memory} bytes, or pass over_chip_memory=True (--over-chip-memory) "
                          "to plan for a chip with more memory")
-    check_optimizer_states(optimizer_states)
-    if not isinstance(padding_mask, bool):
-        raise TypeError(f"padding_mask: expected True or False (whether the batches give an attention_mask), "
-                        f"got {padding_mask!r}")
-    if not isinstance(sequence_parallel, bool):
-        raise TypeError(f"sequence_parallel: expected True or False (Pipe's), got {sequence_parallel!r}")
-    profile = _profile(model, sample_input, seq, padding_mask)
-    itemsize = profile.itemsize if itemsize is None else itemsize
+    return chip, capacity
+
+
+def _check_policies(profile: ModelProfile, itemsize: int, checkpoints: tuple[str, ...], gathers: tuple[str, ...],
+                    sequence_parallel: bool) -> None:
+    """:func:`plan`'s element size and the policies it may choose from, checked against the model."""
     if itemsize not in (1, 2, 4, 8):
         raise ValueError(f"itemsize: {itemsize!r} is not a dtype's size in bytes; use 2 (bfloat16) or 4 (float32)")
     bad = [mode for mode in checkpoints if mode not in MODES]
@@ -247,16 +271,6 @@ def plan(model: nn.Module | ModelProfile | Any, *, devices: int, batch: int, chi
         raise ValueError(f"sequence_parallel: {profile.name}'s blocks pass a stream of {profile.stream_rank} dims "
                          "([batch, features]), with no sequence dim to split, and Pipe refuses "
                          "sequence_parallel=True for it; plan without it")
-    if slices > 1 and chip.dcn_bandwidth is None:
-        raise ValueError(f"slices: {chip.name} has no published DCN bandwidth; give a Chip with dcn_bandwidth")
-    predictions = [predict(profile, layout, chip=chip, batch=batch, capacity=capacity, itemsize=itemsize,
-                           optimizer_states=optimizer_states, tensor_rules=tensor_rules, slices=slices)
-                   for layout in layouts(profile, devices, batch, checkpoints, max_tensor, tensor_rules, slices,
-                                         sequence_parallel)
-                   if layout.gather in gathers]
-    fitting = sorted((p for p in predictions if p.fits), key=lambda p: (p.step_seconds, p.bytes))
-    refused = sorted((p for p in predictions if not p.fits), key=lambda p: p.bytes)
-    return Plan(profile, chip, devices, batch, capacity, fitting, refused)
 
 
 def _profile(model: nn.Module | ModelProfile | Any, sample_input: Any, seq: int,

@@ -159,8 +159,7 @@ class SpmdPipeline(nn.Module):
             return self._one_f_one_b_output(inputs, microbatch_dim)
         entry = self._entering(inputs, microbatch_dim)
         layout, microbatched = entry.layout, entry.microbatched
-        # The loop starts when all before it is done.
-        slots, after = fenced(entry.slots, (entry.skips, entry.outer[self.post]))
+        slots, after = fenced(entry.slots, (entry.skips, entry.outer[self.post]))  # the loop waits for all before it
         finished = self._run_clocks(self.placement.conveyed(slots), layout, entry.packing, entry.constants)
         finished, (skips, post_weights) = fenced(finished, after)  # and what follows it starts when it ends
         finished = self.placement.whole_rows(finished)

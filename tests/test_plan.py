@@ -239,7 +239,8 @@ def test_a_layouts_memory_is_the_peak_of_its_step_timeline():
 def test_1f1b_is_planned_with_a_ring_of_stage_inputs_or_of_activations_not_one_per_microbatch():
     """1F1B under the spmd executor (``xpipe.spmd.one_f_one_b``): listed with more than one
     stage and ``checkpoint="always"`` or ``"never"`` (no ``"except_last"``: it would save
-    no work); a moment per loop, the steady one the peak.
+    no work); a moment per loop and one after them, where the gradients are reduced, the
+    steady loop's the peak.
     From 8 to 32 microbatches of fixed rows its activations grow by the slot buffer
     alone, where GPipe's keep every microbatch's; GPipe's bubble, the layers after the
     body on the pieces the exiting microbatch is cut into (two rows a device: 2 pieces
@@ -261,7 +262,7 @@ def test_1f1b_is_planned_with_a_ring_of_stage_inputs_or_of_activations_not_one_p
     one_f_one_b = {chunks: planned("1f1b", chunks) for chunks in (8, 32)}
     gpipe_ = {chunks: planned("gpipe", chunks) for chunks in (8, 32)}
     assert [m.label.split(" (")[0] for m in one_f_one_b[8].timeline.moments] == [
-        "warm-up loop", "steady loop", "cool-down loop"]
+        "warm-up loop", "steady loop", "cool-down loop", "after the loops"]
     assert one_f_one_b[8].timeline.peak.label.startswith("steady loop")
     stage_input = 2 * profile.stream_bytes_per_row
     growth = one_f_one_b[32].memory["activations"] - one_f_one_b[8].memory["activations"]

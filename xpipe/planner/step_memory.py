@@ -92,18 +92,21 @@ def step_terms(profile: ModelProfile, layout: Layout, depth: int, rows: int, bat
 def lockstep_terms(profile: ModelProfile, layout: Layout, depth: int, rows: int,
                    weights: DeviceMemory) -> LockstepTerms:
     """The bytes each part of a 1F1B step holds on the busiest device (:class:`LockstepTerms`):
-    the weights gathered for the step with the carry of their gradients (and, where nothing
-    is gathered, every device's own copy of the layers after the body, which the head's
-    gradients add up in); the slot buffer, the ring of ``2S - 1`` stashed stage inputs, the
-    two streams and the stacks each clock's two permutes send; one block of the forward
-    beside one recomputed cell of the backward (with ``checkpoint="never"``, a ring of
-    ``2S - 1`` cells' activations besides, the forward's whole cell and the backward's
-    cell read out of the ring); one microbatch's logits, split over the
-    stages where its rows are cut for the head (:meth:`xpipe.schedule.Lockstep.head_pieces`)
-    and by vocabulary over "tensor"."""
+    the weights gathered for the step with the carry of their gradients (where nothing is
+    gathered, the copy of its stage's weights each block slot reads, and the gradient of the
+    layers before the body, whose buffer XLA makes before the loops); the slot buffer, the ring
+    of ``2S - 1`` stashed stage inputs, the two streams and the stacks each clock's two permutes
+    send; one recomputed cell of the backward (with ``checkpoint="never"``, a ring of ``2S - 1``
+    cells' activations besides, and the backward's cell read out of it); one microbatch's logits,
+    split over the stages where its rows are cut for the head
+    (:meth:`xpipe.schedule.Lockstep.head_pieces`) and by vocabulary over "tensor"; and, after the
+    loops, what the gradients are reduced from (:func:`_lockstep_weights`)."""
     conveyed = rows * profile.stream_bytes_per_row / layout.tensor
-    block = _block_saved(profile, layout, rows)
-    held = 0 if layout.axes.sharding else 2 * outer_step_numel(profile.outer_weights, layout.axes) * profile.itemsize
+    kept_per_row = profile.block_kept_bytes_per_row or profile.block_saved_bytes_per_row
+    # Where weights are sharded, XLA also holds the collectives' buffers (padded gathered copies, the
+    # halves' partial sums) that no term names: the saved bytes' double count stands in for them.
+    block = _block_saved(profile, layout, rows, None if layout.axes.sharding else kept_per_row)
+    gathered, reduced = _lockstep_weights(profile, layout, weights)
     streams = 2 + 2 * 2  # the forward and backward streams; each permute's stack of a stream and a column
     slots = microbatch_slots(layout.chunks, layout.stages)
     lockstep = Lockstep(layout.stages, layout.chunks)
@@ -111,14 +114,32 @@ def lockstep_terms(profile: ModelProfile, layout: Layout, depth: int, rows: int,
     cell = depth * block
     kept = layout.checkpoint == "never"  # each cell's activations wait in a ring of their own, none recomputed
     if kept:  # the ring, the clock's new cell before it is written in, and the backward's cell read out of it
-        kept_per_row = profile.block_kept_bytes_per_row or profile.block_saved_bytes_per_row
         buffers += lockstep.ring * depth * _block_saved(profile, layout, rows, kept_per_row)
+    table = _vocabulary_table(profile)
+    head_gradient = 2 * outer_step_numel([table], layout.axes) * profile.itemsize if kept and table else 0
     return LockstepTerms(
-        resting=_resting(weights), gathered=weights.gathered + held, buffers=int(buffers),
+        resting=_resting(weights), gathered=gathered, buffers=int(buffers),
         forward=int(cell if kept else block), working=int(block if layout.gather == "block" else cell),
         attention_gradient=_attention_gradient(profile, layout, rows),
         head=int(rows / lockstep.head_pieces(rows) * profile.outer_saved_bytes_per_row / layout.tensor),
+        head_gradient=head_gradient, reduced=reduced,
         warm_up=layout.stages - 1, steady=layout.stages * slots)
+
+
+def _lockstep_weights(profile: ModelProfile, layout: Layout, weights: DeviceMemory) -> tuple[int, int]:
+    """What a 1F1B step holds of the weights besides those at rest: in the loops, and after them.
+
+    In the loops: the step's gathered copies with their gradients' carry; where nothing is
+    sharded the carry is the resting gradients, and XLA holds one copy of the stage's weights
+    (the slices its block slots read) and the gradient of the layers before the body, a zeroed
+    buffer it makes before the loops. After them: the carry each gradient is reduced from into
+    the resting gradients (their size where nothing is sharded; gathered per step, the gathered
+    weights'; per block, the outer layers'), and that gradient of the layers before the body."""
+    outer = outer_step_numel(profile.outer_weights, layout.axes) * profile.itemsize
+    if not layout.axes.sharding:
+        return weights.gathered // 2 + outer, weights.gradients + outer
+    carry = weights.gathered // 2 if layout.gather == "step" else weights.gathered_outer
+    return weights.gathered, carry + outer
 
 
 def _block_saved(profile: ModelProfile, layout: Layout, rows: int, per_row: float | None = None) -> float:

@@ -119,6 +119,8 @@ class LockstepTerms:
     working: int  # one recomputed cell's activations, in each backward
     attention_gradient: int  # the gradient of one attention's probabilities, in each backward
     head: int  # one microbatch's logits and their gradient, in each steady clock
+    head_gradient: int  # the head's weight gradient of the clock and its sum with the carry
+    reduced: int  # after the loops: the carry the gradients are reduced from, and the layers before the body's
     warm_up: int  # clocks of forwards alone
     steady: int  # clocks of a forward, the head and a backward
 
@@ -131,7 +133,13 @@ def lockstep_timeline(terms: LockstepTerms) -> Timeline:
 
     # A steady clock's forward and backward read nothing of each other's: XLA may run them side by side.
     backward = terms.working + terms.attention_gradient
+    steady = terms.forward + backward
     loops = [("warm-up loop (forwards)", terms.warm_up, terms.forward),
-             ("steady loop (forward, head, backward)", terms.steady, terms.forward + terms.head + backward),
+             ("steady loop (forward, head, backward)", terms.steady, steady + terms.head),
+             ("steady loop (forward, head's weight gradient, backward)", terms.steady * bool(terms.head_gradient),
+              steady + terms.head_gradient),
              ("cool-down loop (backwards)", terms.warm_up, backward)]
-    return Timeline(tuple(at(label, activations) for label, clocks, activations in loops if clocks))
+    moments = [at(label, activations) for label, clocks, activations in loops if clocks]
+    reduced = Moment("after the loops (gradients reduced)", {**terms.resting, "gathered": terms.reduced,
+                                                              "activations": terms.buffers})
+    return Timeline((*moments, reduced))

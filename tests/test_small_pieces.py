@@ -214,6 +214,18 @@ def test_the_per_iteration_view_gives_each_loop_body_its_collectives_and_trip_co
         body.count("allreduce")
 
 
+def test_the_report_reads_what_the_buffer_assignment_allocates(tmp_path):
+    """``allocated_bytes``: parameters, outputs and the packed temporary buffer, as the
+    buffer assignment XLA dumps beside the program totals them; None without one."""
+    program = tmp_path / "module_0001.step.cpu_after_optimizations.txt"
+    program.write_text(HLO)
+    (tmp_path / "module_0001.step.cpu_after_optimizations-buffer-assignment.txt").write_text(
+        "BufferAssignment:\nallocation 0: size 1200, preallocated-temp:\n\nTotal bytes used: 1300 (1.27KiB)\n\n"
+        "Stack trace breakdown for peak usage: 1 024 bytes\n")
+    assert CommunicationReport((), str(program), 1024).allocated_bytes == 1300
+    assert CommunicationReport((), str(tmp_path / "module_0002.cpu_after_optimizations.txt")).allocated_bytes is None
+
+
 MATMULS = """
 HloModule step
 

@@ -96,8 +96,10 @@ def lockstep_terms(profile: ModelProfile, layout: Layout, depth: int, rows: int,
     gathered, the copy of its stage's weights each block slot reads, and the gradient of the
     layers before the body, whose buffer XLA makes before the loops); the slot buffer, the ring
     of ``2S - 1`` stashed stage inputs, the two streams and the stacks each clock's two permutes
-    send; one recomputed cell of the backward (with ``checkpoint="never"``, a ring of ``2S - 1``
-    cells' activations besides, and the backward's cell read out of it); one microbatch's logits,
+    send; one block of the forward beside one recomputed cell of the backward (with
+    ``checkpoint="never"``, a ring of ``2S - 1`` cells' activations besides, the forward's whole
+    cell and the backward's cell read out of the ring, and the head's weight gradient of the
+    clock with its sum, in place of the logits, at another moment); one microbatch's logits,
     split over the stages where its rows are cut for the head
     (:meth:`xpipe.schedule.Lockstep.head_pieces`) and by vocabulary over "tensor"; and, after the
     loops, what the gradients are reduced from (:func:`_lockstep_weights`)."""

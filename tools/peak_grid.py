@@ -162,9 +162,10 @@ def main() -> None:
         total = sum(terms.values())
         allocated = cell.get("allocated")
         beside = f"{allocated:>10,} {total / allocated:>6.2f}" if allocated else f"{'-':>10} {'-':>6}"
+        kib = f"{terms['gathered'] // 1024}, {terms['activations'] // 1024}, " \
+              f"{(terms['parameters'] + terms['gradients']) // 1024}"
         print(f"{family:<6} {width:>5} {seq:>4}  {cell['layout']:<34} {cell['measured']:>10,} {total:>10,} "
-              f"{total / cell['measured']:>6.2f}  {beside}  {terms['gathered'] // 1024}, {terms['activations'] // 1024}, "
-              f"{(terms['parameters'] + terms['gradients']) // 1024}", flush=True)
+              f"{total / cell['measured']:>6.2f}  {beside}  {kib}", flush=True)
         for line in buffers:
             print(line, flush=True)
         cell["ratio"] = total / cell["measured"]

@@ -26,6 +26,7 @@ PEAK_LAYOUTS = {
     "llama, 2 x 2 x 2, gathered per block": ("llama", 8, 2, 2, 2, "block", "gpipe", "always"),
     "llama, circular x2 on 2 x 4 fsdp, gathered per step": ("llama", 8, 2, 4, 1, "step", "circular", "except_last"),
     "gpt2, 2 x 4 fsdp, gathered per block": ("gpt2", 4, 2, 4, 1, "block", "gpipe", "always"),
+    "llama, 4 blocks a stage, 2 x 2 x 2, 1f1b": ("llama", 8, 2, 2, 2, "step", "1f1b", "always"),
     "gpt2, 2 x 1 x 4, nothing recomputed": ("gpt2", 4, 2, 1, 4, "step", "gpipe", "never"),
     "gpt2, 2 x 1 x 4, nothing recomputed, sequence parallel": ("gpt2", 4, 2, 1, 4, "step", "gpipe", "never", True),
 }
@@ -180,7 +181,10 @@ def test_sequence_parallelism_runs_megatrons_collectives_carries_slices_and_lowe
 
 # The cells of PEAK_LAYOUTS the plan does not yet predict within 10%, with the bound they
 # hold (predicted / measured when it was last changed; docs/planning.md lists every cell).
-NOT_YET_WITHIN_10_PERCENT = {"llama, 2 x 2 x 2, gathered per block": 0.15}  # 1.11
+# 1F1B's cell: 0.89 (0.67 while each block slot's weights were picked out of the stack by index,
+# whose gradient held a padded copy of the stack per slot: docs/planning.md, "1F1B gathered for the step").
+NOT_YET_WITHIN_10_PERCENT = {"llama, 2 x 2 x 2, gathered per block": 0.15,  # 1.11
+                             "llama, 4 blocks a stage, 2 x 2 x 2, 1f1b": 0.15}  # 0.89
 
 
 @pytest.mark.full

@@ -148,8 +148,11 @@ class ClockBody:
         """
         count = len(self.body.names)
         valid, *blocks = (self._of_round(w, round_) for w in (valid, *weights[:count]))
+        # Unbound, not indexed: an unbind's gradient is one stack of the slots' gradients, an
+        # index's a padded copy of the whole stack per slot (1F1B's backward held them all).
+        per_slot = [w.unbind(0) for w in blocks]
         for slot in range(self.depth):
-            x = self._run_one_block(template, packing, slot, tuple(w[slot] for w in blocks), weights[count:],
+            x = self._run_one_block(template, packing, slot, tuple(w[slot] for w in per_slot), weights[count:],
                                     valid[slot], x, key)
         return x
 

@@ -287,6 +287,26 @@ def test_1f1b_is_planned_with_a_ring_of_stage_inputs_or_of_activations_not_one_p
     assert one_f_one_b[32].communication["stage"] == 4 * (32 + 2 * 4 - 2) * stage_input + pieces_sent
 
 
+def test_1f1b_gathered_for_the_step_holds_the_vocabulary_table_whole_before_its_loops():
+    """With fsdp and tensor, before the loops XLA gathers the tied table whole over "fsdp"
+    and slices each device's vocabulary half out of it, beside the zeroed gradient of the
+    layers around the body: a moment of its own, before the warm-up loop. Without "tensor"
+    the gathered table is the copy the loops hold; per block, and with nothing sharded,
+    nothing is gathered before the loops."""
+    profile = profile_of_model(llama(4), {"input_ids": tokens(2, 8)})
+    table, norm = 128 * 32 * 4, 32 * 4  # the tied embedding and head (vocabulary x width), the final norm; float32
+    moments = {}
+    for fsdp, tensor, gather in ((2, 2, "step"), (4, 1, "step"), (4, 1, "block"), (1, 1, "step")):
+        layout = Layout(2, 4 // (fsdp * tensor), fsdp, tensor, 4, "1f1b", 1, "always", gather)
+        moments[fsdp, tensor, gather] = predict(profile, layout, chip=preset("v5e"), batch=32).timeline.moments
+    before, warm_up = moments[2, 2, "step"][:2]
+    assert before.label == "before the loops (weights gathered)" and warm_up.label.startswith("warm-up loop")
+    assert before.memory["gathered"] - warm_up.memory["gathered"] == table + (table // 2 + norm)
+    fsdp_only = moments[4, 1, "step"]
+    assert fsdp_only[0].memory["gathered"] - fsdp_only[1].memory["gathered"] == table + norm  # the zeroed gradient
+    assert not any(m.label.startswith("before the loops") for m in (*moments[4, 1, "block"], *moments[1, 1, "step"]))
+
+
 def test_the_timeline_of_a_listed_layout_marks_the_plans_peak(tmp_path, capsys):
     job = ["llama3-8b", "--devices", "32", "--chip", "v6e", "--batch", "64", "--top", "1"]
     assert main(job) == 0

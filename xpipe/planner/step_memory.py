@@ -102,7 +102,8 @@ def lockstep_terms(profile: ModelProfile, layout: Layout, depth: int, rows: int,
     clock with its sum, in place of the logits, at another moment); one microbatch's logits,
     split over the stages where its rows are cut for the head
     (:meth:`xpipe.schedule.Lockstep.head_pieces`) and by vocabulary over "tensor"; and, after the
-    loops, what the gradients are reduced from (:func:`_lockstep_weights`)."""
+    loops, what the gradients are reduced from (:func:`_lockstep_weights`); before them, gathered for
+    the step with fsdp or tensor, what gathering the layers around the body holds (:func:`_entering_the_loops`)."""
     conveyed = rows * profile.stream_bytes_per_row / layout.tensor
     kept_per_row = profile.block_kept_bytes_per_row or profile.block_saved_bytes_per_row
     # Where weights are sharded, XLA also holds the collectives' buffers (padded gathered copies, the
@@ -124,7 +125,7 @@ def lockstep_terms(profile: ModelProfile, layout: Layout, depth: int, rows: int,
         forward=int(cell if kept else block), working=int(block if layout.gather == "block" else cell),
         attention_gradient=_attention_gradient(profile, layout, rows),
         head=int(rows / lockstep.head_pieces(rows) * profile.outer_saved_bytes_per_row / layout.tensor),
-        head_gradient=head_gradient, reduced=reduced,
+        head_gradient=head_gradient, reduced=reduced, entering=_entering_the_loops(profile, layout),
         warm_up=layout.stages - 1, steady=layout.stages * slots)
 
 
@@ -142,6 +143,18 @@ def _lockstep_weights(profile: ModelProfile, layout: Layout, weights: DeviceMemo
         return weights.gathered // 2 + outer, weights.gradients + outer
     carry = weights.gathered // 2 if layout.gather == "step" else weights.gathered_outer
     return weights.gathered, carry + outer
+
+
+def _entering_the_loops(profile: ModelProfile, layout: Layout) -> int:
+    """What a 1F1B step gathered for the step holds before its loops beside the gathered
+    weights (XLA's buffer assignment, where the 8-token cells peak): the zeroed gradient
+    of the layers around the body, and with "tensor" the vocabulary table gathered whole
+    over "fsdp" before each device slices its part of the vocabulary out of it."""
+    if not layout.axes.sharding or layout.gather != "step":
+        return 0
+    table = _vocabulary_table(profile)
+    whole = math.prod(table) if table and layout.tensor > 1 else 0
+    return (outer_step_numel(profile.outer_weights, layout.axes) + whole) * profile.itemsize
 
 
 def _block_saved(profile: ModelProfile, layout: Layout, rows: int, per_row: float | None = None) -> float:

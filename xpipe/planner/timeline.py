@@ -121,6 +121,7 @@ class LockstepTerms:
     head: int  # one microbatch's logits and their gradient, in each steady clock
     head_gradient: int  # the head's weight gradient of the clock and its sum with the carry
     reduced: int  # after the loops: the carry the gradients are reduced from, and the layers before the body's
+    entering: int  # before the loops, beside the gathered weights: what gathering the layers around the body holds
     warm_up: int  # clocks of forwards alone
     steady: int  # clocks of a forward, the head and a backward
 
@@ -140,6 +141,9 @@ def lockstep_timeline(terms: LockstepTerms) -> Timeline:
               steady + terms.head_gradient),
              ("cool-down loop (backwards)", terms.warm_up, backward)]
     moments = [at(label, activations) for label, clocks, activations in loops if clocks]
+    if terms.entering:
+        moments.insert(0, Moment("before the loops (weights gathered)", {
+            **terms.resting, "gathered": terms.gathered + terms.entering, "activations": terms.buffers}))
     reduced = Moment("after the loops (gradients reduced)", {**terms.resting, "gathered": terms.reduced,
                                                               "activations": terms.buffers})
     return Timeline((*moments, reduced))

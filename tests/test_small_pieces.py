@@ -226,6 +226,46 @@ def test_the_report_reads_what_the_buffer_assignment_allocates(tmp_path):
     assert CommunicationReport((), str(tmp_path / "module_0002.cpu_after_optimizations.txt")).allocated_bytes is None
 
 
+ASSIGNMENT = """BufferAssignment:
+allocation 0: size 180, preallocated-temp:
+ value: <1 a @0> (size=100,offset=0): f32[25]{0}
+ value: <2 loop.param{1} (phi) @0> (size=50,offset=100): f32[5,2]{1,0}
+ value: <3 in_place @0> (size=100,offset=0): f32[25]{0}
+ value: <4 c @0> (size=100,offset=0): f32[25]{0}
+ value: <5 d @0> (size=30,offset=150): f32[5,2]{1,0}
+allocation 1: size 8, parameter 0, shape |f32[2]| at ShapeIndex {}:
+ value: <6 p @0> (size=8,offset=0): f32[2]{0}
+
+Total bytes used: 188 (188B)
+
+Stack trace breakdown for peak usage: 108 bytes
+
+HloLiveRange (max 6):
+  InstructionSequence:
+    0:p
+  BufferLiveRange:
+    p{}:0-6
+    a{}:0-2
+    loop.param{1}:1-5
+    in_place{}:2-3
+    c{}:4-5
+    d{}:2-3
+"""
+
+
+def test_the_report_reads_the_most_the_buffers_hold_at_once_from_their_live_ranges(tmp_path):
+    """``resident_bytes``: each value's live range and size, the loop-carried (phi) ones
+    included, and a value that takes another's place in place (same allocation, same
+    offset) counted once; None without a buffer assignment's live ranges."""
+    program = tmp_path / "module_0001.step.cpu_after_optimizations.txt"
+    program.write_text(HLO)
+    (tmp_path / "module_0001.step.cpu_after_optimizations-buffer-assignment.txt").write_text(ASSIGNMENT)
+    report = CommunicationReport((), str(program), 108)
+    assert report.resident_bytes == 8 + 100 + 50 + 30  # at 2 and 3: p, a or in_place, the loop's value, d
+    assert report.allocated_bytes == 188
+    assert CommunicationReport((), str(tmp_path / "module_0002.cpu_after_optimizations.txt")).resident_bytes is None
+
+
 MATMULS = """
 HloModule step
 

@@ -87,6 +87,16 @@ def test_gradients_are_reduced_over_data_once_per_step(audits):
     assert all(op.bytes in replicated or op.bytes <= 8 for op in others), report  # no activation-sized one
 
 
+def test_the_buffers_live_at_once_hold_at_least_the_reported_peak_and_at_most_the_allocation(audits):
+    """``resident_bytes``, from XLA's own live ranges with the loop-carried values: never
+    below the peak XLA reports (which can leave those out) nor above what its buffer
+    assignment allocates, which exceeds it by the gaps of the heap's packing alone."""
+    for _, report in audits[0].values():
+        resident, peak, allocated = report.resident_bytes, report.peak_bytes, report.allocated_bytes
+        assert peak <= resident <= allocated, (peak, resident, allocated)
+        assert allocated - resident <= 0.1 * allocated, (peak, resident, allocated)
+
+
 def test_reductions_do_not_grow_with_chunks(audits):
     reports, _ = audits
     for kind in ("all-reduce", "collective-permute"):

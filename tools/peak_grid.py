@@ -10,9 +10,10 @@ For a Hugging Face Llama (8 layers, grouped-query attention, vocabulary 2048) an
 devices: one forward and backward of an spmd ``Pipe`` under ``xpipe.inspect.audit``,
 and ``xpipe.planner.predict`` for the same layout, less its optimizer term (the audited
 program runs no optimizer). Prints one line per cell: predicted / measured, where
-measured is the most the program's values hold at once (``peak_bytes``), and, for cells
-measured since it was recorded, predicted / what the buffer assignment allocates
-(``allocated_bytes``: its packing leaves gaps, up to a quarter more at 64 tokens). With
+measured is the peak XLA's buffer assignment reports (``peak_bytes``), and, for cells
+measured since each was recorded, predicted / what the buffer assignment allocates
+(``allocated_bytes``) and predicted / the most its buffers hold at once, loop-carried
+values included (``resident_bytes``; the reported peak can leave those out). With
 ``--buffers`` it also lists what XLA's buffer assignment holds at the peak, by size,
 so that a term the planner lacks can be read off the listing. ``--save`` keeps each
 measured cell (``tools/peak_grid_cells.jsonl`` holds the grid docs/planning.md quotes);
@@ -90,9 +91,9 @@ def inputs_of(seq: int) -> dict[str, torch.Tensor]:
     return {"input_ids": ids, "labels": ids}
 
 
-def measure(family: str, width: int, seq: int, layout: Layout) -> tuple[int, int, str]:
-    """XLA's peak for one forward and backward of ``layout``, what its buffer assignment
-    allocates, and that assignment's file."""
+def measure(family: str, width: int, seq: int, layout: Layout) -> tuple[int, int, int, str]:
+    """XLA's reported peak for one forward and backward of ``layout``, what its buffer
+    assignment allocates, the most its buffers hold at once, and that assignment's file."""
     inputs = inputs_of(seq)
     pipe = xpipe.Pipe(FAMILIES[family](width, seq), chunks=layout.chunks,
                       mesh=xpipe.make_mesh(layout.stages, layout.data, fsdp=layout.fsdp, tensor=layout.tensor),
@@ -100,8 +101,8 @@ def measure(family: str, width: int, seq: int, layout: Layout) -> tuple[int, int
                       virtual=layout.virtual, sequence_parallel=layout.sequence_parallel,
                       sample_input={key: value[:2] for key, value in inputs.items()})
     report = xpipe.inspect.audit(lambda: pipe(**inputs).loss.backward(), mesh=pipe.mesh)
-    return report.peak_bytes, report.allocated_bytes, report.program.replace("after_optimizations.txt",
-                                                     "after_optimizations-buffer-assignment.txt")
+    return report.peak_bytes, report.allocated_bytes, report.resident_bytes, report.program.replace(
+        "after_optimizations.txt", "after_optimizations-buffer-assignment.txt")
 
 
 @functools.cache
@@ -148,20 +149,21 @@ def main() -> None:
                  for family in args.family or sorted(FAMILIES) for width in args.width or (64, 128)
                  for seq in args.seq or (8, 64, 256) for name in args.layout or LAYOUTS]
     print(f"{'family':<6} {'width':>5} {'seq':>4}  {'layout':<34} {'measured':>10} {'predicted':>10} {'ratio':>6}  "
-          f"{'allocated':>10} {'ratio':>6}  terms (KiB: gathered, activations, parameters + gradients)")
+          f"{'allocated':>10} {'ratio':>6}  {'resident':>10} {'ratio':>6}  "
+          "terms (KiB: gathered, activations, parameters + gradients)")
     for cell in cells:
         family, width, seq, layout = cell["family"], cell["width"], cell["seq"], LAYOUTS[cell["layout"]]
         buffers = []
         if "measured" not in cell:
-            cell["measured"], cell["allocated"], assignment = measure(family, width, seq, layout)
+            cell["measured"], cell["allocated"], cell["resident"], assignment = measure(family, width, seq, layout)
             buffers = peak_buffers(assignment, args.buffers)
             if args.save:
                 with args.save.open("a") as file:
                     file.write(json.dumps(cell) + "\n")
         terms = predicted(family, width, seq, layout)
         total = sum(terms.values())
-        allocated = cell.get("allocated")
-        beside = f"{allocated:>10,} {total / allocated:>6.2f}" if allocated else f"{'-':>10} {'-':>6}"
+        beside = "  ".join(f"{cell[key]:>10,} {total / cell[key]:>6.2f}" if cell.get(key) else f"{'-':>10} {'-':>6}"
+                           for key in ("allocated", "resident"))
         kib = f"{terms['gathered'] // 1024}, {terms['activations'] // 1024}, " \
               f"{(terms['parameters'] + terms['gradients']) // 1024}"
         print(f"{family:<6} {width:>5} {seq:>4}  {cell['layout']:<34} {cell['measured']:>10,} {total:>10,} "

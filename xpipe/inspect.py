@@ -103,8 +103,8 @@ class CommunicationReport:
         into ("Total bytes used"): the memory a device must have for the program. It exceeds
         :attr:`resident_bytes` by the gaps the packing leaves (0.2-6% on the peak grid's
         Llama steps at 64 and 256 tokens, up to 15% at 8), and can exceed :attr:`peak_bytes`
-        by far more (a 4-stage Llama step at
-        64 tokens: 12.09 MB allocated, 11.84 MB resident at most, 9.40 MB reported)."""
+        by far more (a 4-stage Llama step at 64 tokens: 12.09 MB allocated, 11.84 MB resident
+        at most, 9.40 MB reported)."""
         match = re.search(r"Total bytes used: (\d+)", _assignment_text(self.program))
         return int(match[1]) if match else None
 
